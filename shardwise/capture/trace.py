@@ -1,0 +1,247 @@
+"""Trace the single-device training step (forward, loss, backward) whole, as one ATen FX graph.
+
+The graph's inputs are, in order: every parameter (full, deduplicated as ``named_parameters``
+yields them, so tied weights appear once), every buffer, then the leaves of the batch. Its
+outputs are ``[loss, *grads]`` with one gradient per trainable parameter. Tracing runs on fake
+tensors, so no parameter memory is touched.
+
+Forward and ``autograd.grad`` run inside one reparametrization context: computing the gradient
+outside it gives wrong gradients, and ``torch.func.grad`` cannot trace through non-reentrant
+activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+
+class CaptureError(RuntimeError):
+    """The training step could not be traced into one graph."""
+
+
+@dataclass
+class Capture:
+    """A traced step and what its inputs and outputs mean."""
+
+    gm: fx.GraphModule
+    param_names: list[str]
+    """All parameters, in graph-input order (tied weights once)."""
+    trainable: list[bool]
+    """Whether each parameter gets a gradient (``requires_grad``)."""
+    buffer_names: list[str]
+    batch_spec: Any
+    """pytree spec of the batch; its tensor leaves follow the buffers as graph inputs."""
+    batch_consts: list[Any]
+    """The batch's non-tensor leaves (None where the leaf is a tensor), baked into the graph."""
+    param_shapes: list[torch.Size] = field(default_factory=list)
+    param_dtype: torch.dtype | None = None
+    """dtype the parameters were traced with (the compute dtype)."""
+
+    @property
+    def n_params(self) -> int:
+        return len(self.param_names)
+
+    @property
+    def grad_names(self) -> list[str]:
+        return [n for n, t in zip(self.param_names, self.trainable) if t]
+
+    def signature(self) -> str:
+        return batch_signature(self.batch_spec, self.batch_consts, None)
+
+
+def flatten_batch(batch) -> tuple[list[torch.Tensor], list[Any], Any]:
+    """Split a batch into tensor leaves, constant leaves and its pytree spec."""
+    leaves, spec = pytree.tree_flatten(batch)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    return tensors, consts, spec
+
+
+def batch_signature(spec, consts, tensors: list[torch.Tensor] | None) -> str:
+    """A string that changes whenever the traced graph would: structure, constants, shapes, dtypes."""
+    parts = [str(spec), repr(consts)]
+    if tensors is not None:
+        parts += [f"{tuple(t.shape)}:{t.dtype}" for t in tensors]
+    return "|".join(parts)
+
+
+def signature_hash(sig: str) -> int:
+    return int.from_bytes(hashlib.sha256(sig.encode()).digest()[:7], "little")
+
+
+def call_model(model: nn.Module, batch):
+    """Call the model the way DESIGN.md promises: ``model(**batch)`` for a dict, ``model(*batch)`` else."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def extract_loss(out, batch, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None:
+        loss = loss_fn(out, batch)
+    elif isinstance(out, torch.Tensor):
+        loss = out
+    elif getattr(out, "loss", None) is not None:
+        loss = out.loss
+    elif isinstance(out, dict) and out.get("loss") is not None:
+        loss = out["loss"]
+    else:
+        raise CaptureError(
+            f"the model returned {type(out).__name__}, not a loss: its forward must return a scalar tensor "
+            "or an object with .loss (as HF models do when given labels), or pass loss_fn=(outputs, batch) -> loss"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CaptureError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
+    return loss.reshape(())
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost frame of the traceback that is not inside torch or shardwise."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" not in f and "/shardwise/capture/" not in f and "/shardwise/runtime/" not in f:
+            return f"{fr.filename}:{fr.lineno} ({fr.line})"
+    return "unknown location"
+
+
+def capture_step(
+    model: nn.Module,
+    batch,
+    *,
+    loss_fn: Callable | None = None,
+    param_dtype: torch.dtype | None = None,
+    train: bool = True,
+    with_grads: bool = True,
+    device: torch.device | None = None,
+) -> Capture:
+    """Trace ``loss = model(batch); grads = d loss / d params`` on fake tensors into one graph.
+
+    Parameters released to the ``meta`` device (as zero3 does with the full weights) are traced
+    as if on ``device``.
+
+    Example::
+
+        >>> import torch, shardwise.models as M
+        >>> from shardwise.capture import capture_step
+        >>> m = M.build("gpt", "tiny")
+        >>> x = torch.randint(0, 64, (2, 16))
+        >>> cap = capture_step(m, (x, x))
+        >>> len(cap.gm.graph.find_nodes(op="placeholder")) == cap.n_params + len(cap.buffer_names) + 2
+        True
+    """
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    pnames, bnames = list(params), list(buffers)
+    trainable = [params[n].requires_grad for n in pnames]
+    tensors, consts, spec = flatten_batch(batch)
+    n_p, n_b = len(pnames), len(bnames)
+
+    def step(*flat):
+        p_in, b_in, t_in = flat[:n_p], flat[n_p : n_p + n_b], list(flat[n_p + n_b :])
+        it = iter(t_in)
+        leaves = [next(it) if c is None else c for c in consts]
+        b = pytree.tree_unflatten(leaves, spec)
+        state = dict(zip(pnames, p_in))
+        state.update(zip(bnames, b_in))
+        with _reparametrize_module(model, state, tie_weights=True):
+            out = call_model(model, b)
+            loss = extract_loss(out, b, loss_fn)
+            if not with_grads:
+                return [loss]
+            wrt = [p for p, t in zip(p_in, trainable) if t]
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(wrt, grads)]
+        return [loss, *grads]
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    was_training = model.training
+    model.train(train)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False) as fm:
+
+            def fake(t: torch.Tensor, dtype=None, requires_grad=False):
+                dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+                dev = device if (t.is_meta and device is not None) else t.device
+                f = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=dev)
+                return f.requires_grad_(requires_grad and with_grads)
+
+            f_params = [fake(params[n], param_dtype, tr) for n, tr in zip(pnames, trainable)]
+            f_bufs = [fm.from_tensor(buffers[n]) for n in bnames]
+            f_batch = [fm.from_tensor(t) for t in tensors]
+            try:
+                gm = make_fx(step, tracing_mode="real")(*f_params, *f_bufs, *f_batch)
+            except CaptureError:
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised with the construct and where it is
+                raise CaptureError(
+                    f"cannot trace {type(model).__name__}'s training step whole: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''} — at {_user_frame(e)}. Data-dependent shapes "
+                    "(nonzero, boolean masks, .item() in control flow) cannot be traced to one static graph; "
+                    "rewrite the construct with static shapes (built-in MoE layers are dropless for this reason)."
+                ) from e
+    finally:
+        model.train(was_training)
+    cap = Capture(
+        gm=gm,
+        param_names=pnames,
+        trainable=trainable,
+        buffer_names=bnames,
+        batch_spec=spec,
+        batch_consts=consts,
+        param_shapes=[params[n].shape for n in pnames],
+        param_dtype=param_dtype,
+    )
+    check_no_input_mutation(cap)
+    return cap
+
+
+def placeholder_names(cap: Capture) -> list[str]:
+    """A readable name for each graph input: the parameter/buffer name or ``batch[i]``."""
+    n_t = sum(c is None for c in cap.batch_consts)
+    return cap.param_names + cap.buffer_names + [f"batch[{i}]" for i in range(n_t)]
+
+
+def check_no_input_mutation(cap: Capture) -> None:
+    """In-place writes to a parameter, buffer or batch tensor would not be replayed per shard: refuse them."""
+    phs = cap.gm.graph.find_nodes(op="placeholder")
+    names = dict(zip(phs, placeholder_names(cap)))
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for arg, a in zip(node.target._schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and a in names:
+                raise CaptureError(
+                    f"the step writes in place to {names[a]!r} ({node.target}, node {node.name}); a mutated "
+                    "buffer or parameter is not supported yet. Return the new value from forward instead, "
+                    "or keep the statistic outside the model (e.g. use LayerNorm/RMSNorm, not BatchNorm)."
+                )
+
+
+def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes the loss depends on: the forward pass. Everything else (the gradients' own work) is backward."""
+    out = gm.graph.find_nodes(op="output")[0]
+    loss = out.args[0][0]
+    seen: set[fx.Node] = set()
+    stack = [loss]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen

@@ -1,0 +1,295 @@
+"""``shardwise.compile``: capture → shard → run. The public entry point and the compiled job."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .capture import batch_signature, capture_step, flatten_batch
+from .capture.trace import signature_hash
+from .passes import STRATEGIES, Program, ShardContext, shard_step
+from .passes.zero import layouts_for
+from .runtime.mesh import Mesh, mesh as make_mesh
+from .runtime.state import ShardedState
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+
+
+def _dtype(x, what: str) -> torch.dtype | None:
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    if isinstance(x, str) and x in _DTYPES:
+        return _DTYPES[x]
+    raise ValueError(f"MixedPrecision.{what}: expected a torch.dtype or one of {sorted(_DTYPES)}, got {x!r}")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Precision policy, as FSDP2's ``MixedPrecisionPolicy``: master weights stay in their dtype."""
+
+    param_dtype: torch.dtype | str | None = None
+    """dtype parameters are gathered and computed in (e.g. ``torch.bfloat16``); None: their own dtype."""
+    reduce_dtype: torch.dtype | str | None = torch.float32
+    """dtype gradients are reduced in; None: the compute dtype."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "param_dtype", _dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "reduce_dtype", _dtype(self.reduce_dtype, "reduce_dtype"))
+
+
+class CompileOptions:
+    """Which executor runs the rewritten graph: ``None`` (FX GraphModule) or ``"inductor"``."""
+
+    CHOICES = (None, "fx", "inductor")
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported: choose one of {choices}")
+
+
+def compile(
+    model: nn.Module,
+    optimizer: Callable | None = None,
+    strategy: str = "zero3",
+    mesh: Mesh | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    compile: str | None = None,
+    bucket_mb: float = 25.0,
+) -> "Job":
+    """Compile a single-device model and optimizer into a sharded training job.
+
+    ``optimizer`` is a factory called with ``(name, tensor)`` pairs of this rank's trainable state
+    (shards under zero1-3), like ``model.named_parameters()`` yields them. The model's forward must
+    return the loss (a scalar, or an object with ``.loss``), or pass ``loss_fn(outputs, batch)``.
+
+    Example::
+
+        >>> import torch, shardwise as sw
+        >>> model = sw.models.build("gpt", "tiny")
+        >>> job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        ...                  strategy="zero3", mesh=sw.mesh(dp=1))
+        >>> x = torch.randint(0, 64, (2, 16))
+        >>> float(job.step((x, x))) > 0
+        True
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    _check_choice("compile", compile, CompileOptions.CHOICES)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is None:
+        optimizer = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer= takes a factory, not an optimizer built on the full parameters: "
+            "pass e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
+        )
+    if mesh is None:
+        mesh = make_mesh()
+    return Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb)
+
+
+class Job:
+    """A compiled training job. Build it with :func:`shardwise.compile`."""
+
+    def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb):
+        self.model = model
+        self.strategy = strategy
+        self.mesh = mesh
+        self.loss_fn = loss_fn
+        self.mp = mp
+        self.compile_mode = None if compile_mode == "fx" else compile_mode
+        self.ws, self.rank = mesh.dp, mesh.rank
+        self.group = mesh.group
+        # control messages (shape agreement, hashes) travel over gloo even when the data is on NCCL
+        self.ctrl = self.group if dist.get_backend(self.group) == "gloo" else dist.new_group(backend="gloo")
+        self.ctx = ShardContext(
+            ws=self.ws,
+            group=mesh.group_name,
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype if mp.param_dtype is not None else None,
+            bucket_bytes=int(bucket_mb * 2**20),
+        )
+        self._check_model_device()
+        self._broadcast_initial_state()
+        named = list(model.named_parameters())
+        self.layouts = layouts_for([n for n, _ in named], [p.shape for _, p in named], 1 if strategy == "ddp" else self.ws)
+        self.state = ShardedState(model, strategy, self.layouts, self.rank, optimizer, mp.param_dtype)
+        self.optimizer = self.state.optimizer
+        self.buffers = dict(model.named_buffers())
+        self._programs: dict[tuple, tuple[Program, Callable]] = {}
+        self.last_comm_bytes = 0
+        self.steps = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _check_model_device(self):
+        devs = {p.device for p in self.model.parameters()} | {b.device for b in self.model.buffers()}
+        bad = [d for d in devs if d.type != self.mesh.device.type]
+        if bad:
+            raise ValueError(
+                f"the model's tensors are on {sorted(map(str, devs))} but the mesh runs on {self.mesh.device}; "
+                f"move the model first: model.to({str(self.mesh.device)!r})"
+            )
+
+    @torch.no_grad()
+    def _broadcast_initial_state(self):
+        """Every rank starts from rank 0's weights and buffers, as DDP does."""
+        if self.ws == 1:
+            return
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            dist.broadcast(t.data, src=dist.get_global_rank(self.group, 0), group=self.group)
+
+    # -- compilation ----------------------------------------------------------------------------
+
+    def _agree(self, sig: str, what: str) -> None:
+        """All ranks hold the same ``sig`` (a batch signature or a graph hash), or all raise."""
+        if self.ws == 1:
+            return
+        mine = torch.tensor([signature_hash(sig)], dtype=torch.int64)
+        allh = torch.empty(self.ws, dtype=torch.int64)
+        dist.all_gather_into_tensor(allh, mine, group=self.ctrl)
+        if bool((allh == allh[0]).all()):
+            return
+        descs: list[Any] = [None] * self.ws
+        dist.all_gather_object(descs, sig[:400], group=self.ctrl)
+        groups: dict[str, list[int]] = {}
+        for r, d in enumerate(descs):
+            groups.setdefault(d, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {d}" for d, rs in groups.items())
+        if what == "batch":
+            raise ValueError(
+                f"batch shapes differ across ranks ({detail}). Every rank must pass a batch with the same "
+                "structure, shapes and dtypes in each step: pad, or drop the last partial batch."
+            )
+        raise RuntimeError(f"the compiled {what} differs across ranks ({detail}); every rank must compile the same plan")
+
+    def _program(self, batch, train: bool) -> tuple[Program, Callable]:
+        tensors, consts, spec = flatten_batch(batch)
+        sig = batch_signature(spec, consts, tensors)
+        self._agree(sig, "batch")
+        key = (sig, train)
+        if key not in self._programs:
+            cap = capture_step(
+                self.model,
+                batch,
+                loss_fn=self.loss_fn,
+                param_dtype=self.mp.param_dtype,
+                train=train,
+                with_grads=train,
+                device=self.mesh.device,
+            )
+            prog = shard_step(cap, self.strategy, self.ctx)
+            code_hash = hashlib.sha256(prog.gm.code.encode()).hexdigest()
+            self._agree(f"graph {code_hash}", "graph")
+            self._programs[key] = (prog, self._executor(prog))
+        return self._programs[key]
+
+    def _executor(self, prog: Program) -> Callable:
+        if self.compile_mode != "inductor":
+            return prog.gm
+        from .runtime.inductor import compile_graph
+
+        return compile_graph(prog.gm)
+
+    def _inputs(self, prog: Program, tensors) -> list[torch.Tensor]:
+        params = self.state.param_inputs(prog.param_input == "full", prog.input_dtypes)
+        bufs = [self.buffers[n].detach() for n in prog.capture.buffer_names]
+        return params + bufs + list(tensors)
+
+    # -- running --------------------------------------------------------------------------------
+
+    def step(self, batch) -> torch.Tensor:
+        """One optimizer step. ``batch`` is passed to the model as ``model(**batch)`` / ``model(*batch)``;
+        a list of batches is a list of micro-batches whose gradients are averaged before the step.
+        Returns the loss averaged over micro-batches and data-parallel ranks."""
+        micro = batch if isinstance(batch, list) else [batch]
+        if not micro:
+            raise ValueError("step([]) got no micro-batches")
+        t0 = time.perf_counter()
+        grads: dict[str, torch.Tensor] = {}
+        losses = []
+        comm = 0
+        for mb in micro:
+            prog, run = self._program(mb, train=True)
+            tensors, _, _ = flatten_batch(mb)
+            with torch.no_grad():
+                outs = run(*self._inputs(prog, tensors))
+            losses.append(outs[0])
+            for name, g in zip(prog.capture.grad_names, outs[1:]):
+                grads[name] = g if name not in grads else grads[name].add_(g)
+            comm += prog.comm_bytes()
+        if len(micro) > 1:
+            for g in grads.values():
+                g.div_(len(micro))
+        self.state.set_grads(grads)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        comm += self.state.sync_full_from_master(self.group, self.ws)
+        self.last_comm_bytes = comm
+        self.last_step_s = time.perf_counter() - t0
+        self.steps += 1
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        return loss.detach()
+
+    def eval_step(self, batch) -> torch.Tensor:
+        """Forward only, in eval mode (dropout off): the loss averaged over data-parallel ranks."""
+        prog, run = self._program(batch, train=False)
+        tensors, _, _ = flatten_batch(batch)
+        with torch.no_grad():
+            outs = run(*self._inputs(prog, tensors))
+        return outs[0].detach()
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's weights and persistent buffers, keyed as ``model.state_dict()``.
+
+        A collective: every rank must call it. With ``rank0_only`` the other ranks get ``{}``.
+        Parameters are gathered one at a time onto the CPU, so the whole model is never on one device.
+        """
+        canonical = {id(p): n for n, p in self.model.named_parameters()}
+        keep = not rank0_only or self.rank == 0
+        out: dict[str, torch.Tensor] = {}
+        gathered: dict[str, torch.Tensor] = {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            name = canonical.get(id(t))
+            if name is None:
+                if keep:
+                    out[key] = t.detach().cpu().clone()
+                continue
+            if name not in gathered:
+                full = self.state.gather_full(name, self.group, self.ws)
+                gathered[name] = full.cpu().clone() if keep else full
+            if keep:
+                out[key] = gathered[name]
+        return out
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def programs(self) -> list[Program]:
+        return [p for p, _ in self._programs.values()]
+
+    def explain(self) -> str:
+        """A short plan dump: strategy, mesh, per-parameter placement and the graph's collectives."""
+        lines = [f"strategy={self.strategy} {self.mesh} precision={self.mp}"]
+        for prog in self.programs():
+            c = prog.counts()
+            lines.append(
+                f"graph: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
+                f"reduce_scatter={c['reduce_scatter']} all_reduce={c['all_reduce']}; "
+                f"{prog.comm_bytes() / 2**20:.2f} MiB sent per rank"
+            )
+        for n, lay in self.layouts.items():
+            place = "R" if self.strategy == "ddp" else str(lay)
+            lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place}")
+        text = "\n".join(lines)
+        return text

@@ -1,0 +1,147 @@
+"""Emit functional collectives and small reshapes into an FX graph.
+
+Every collective is a ``_c10d_functional`` op followed by its ``wait_tensor``; the node carries
+``meta["sw"]``: a dict with ``kind`` (all_gather / reduce_scatter / all_reduce), ``bytes`` (the
+payload each rank sends under a ring algorithm), ``param`` (for per-parameter collectives) and
+``phase`` (fwd / bwd / step). Tests and ``explain`` read the graph back through it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+from ..sharding import ShardLayout
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+COLLECTIVE_TARGETS = {
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_reduce.default: "all_reduce",
+}
+
+
+def ring_bytes(kind: str, full_bytes: int, ws: int) -> int:
+    """Bytes one rank sends for a collective over a ``full_bytes`` tensor with a ring algorithm."""
+    if ws <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (ws - 1) * full_bytes // ws
+    return (ws - 1) * full_bytes // ws
+
+
+def val(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def _fn(g: fx.Graph, target, args, like: torch.Tensor | None = None, **kwargs) -> fx.Node:
+    n = g.call_function(target, tuple(args), kwargs)
+    if like is not None:
+        n.meta["val"] = like
+    return n
+
+
+def _fake_like(shape, dtype, device) -> torch.Tensor:
+    # meta tensors stand in for shapes/dtypes of new nodes (read by the passes, not by execution)
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def cast(g: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
+    if dtype is None or val(x).dtype == dtype:
+        return x
+    v = val(x)
+    return _fn(g, aten._to_copy.default, (x,), _fake_like(v.shape, dtype, v.device), dtype=dtype)
+
+
+def contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
+    v = val(x)
+    if v.is_contiguous():
+        return x
+    return _fn(g, aten.clone.default, (x,), _fake_like(v.shape, v.dtype, v.device), memory_format=torch.contiguous_format)
+
+
+def reshape(g: fx.Graph, x: fx.Node, shape: Iterable[int]) -> fx.Node:
+    shape = list(shape)
+    v = val(x)
+    if list(v.shape) == shape:
+        return x
+    return _fn(g, aten.view.default, (contiguous(g, x), shape), _fake_like(shape, v.dtype, v.device))
+
+
+def _collective(g, target, args, out_shape, dtype, device, sw: dict) -> fx.Node:
+    start = _fn(g, target, args, _fake_like(out_shape, dtype, device))
+    start.meta["sw"] = sw
+    return _fn(g, c10d.wait_tensor.default, (start,), _fake_like(out_shape, dtype, device))
+
+
+def all_gather(
+    g: fx.Graph, shard: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, phase: str = "fwd"
+) -> fx.Node:
+    """Full parameter (``layout.shape``) from this rank's padded ``Shard(0)`` piece."""
+    v = val(shard)
+    if layout.ws == 1:
+        return reshape(g, shard, layout.shape)
+    nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
+    sw = dict(kind="all_gather", bytes=ring_bytes("all_gather", nbytes, layout.ws), param=param, phase=phase)
+    out = _collective(
+        g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ws, group), layout.padded_shape,
+        v.dtype, v.device, sw,
+    )
+    if layout.pad_rows:
+        rows = layout.shape2[0]
+        out = _fn(g, aten.slice.Tensor, (out, 0, 0, rows), _fake_like((rows, *layout.shape2[1:]), v.dtype, v.device))
+    return reshape(g, out, layout.shape)
+
+
+def reduce_scatter(
+    g: fx.Graph, full: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, op: str = "avg"
+) -> fx.Node:
+    """This rank's ``Shard(0)`` piece of the ``op``-reduction of ``full`` over the group."""
+    v = val(full)
+    x = reshape(g, full, layout.shape2)
+    if layout.ws == 1:
+        return x
+    if layout.pad_rows:
+        pad = [0, 0] * (len(layout.shape2) - 1) + [0, layout.pad_rows]
+        x = _fn(g, aten.constant_pad_nd.default, (x, pad, 0.0), _fake_like(layout.padded_shape, v.dtype, v.device))
+    nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
+    sw = dict(kind="reduce_scatter", bytes=ring_bytes("reduce_scatter", nbytes, layout.ws), param=param, phase="bwd")
+    return _collective(
+        g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ws, group), layout.local_shape,
+        v.dtype, v.device, sw,
+    )
+
+
+def all_reduce_many(
+    g: fx.Graph, xs: list[fx.Node], ws: int, group: str, *, op: str = "avg", phase: str = "bwd", params=None
+) -> list[fx.Node]:
+    """All-reduce several same-dtype tensors as one flat bucket; returns the reduced tensors."""
+    if ws == 1:
+        return list(xs)
+    vs = [val(x) for x in xs]
+    dtype, device = vs[0].dtype, vs[0].device
+    sizes = [v.numel() for v in vs]
+    flats = [reshape(g, x, [n]) for x, n in zip(xs, sizes)]
+    total = sum(sizes)
+    flat = flats[0] if len(flats) == 1 else _fn(g, aten.cat.default, (flats,), _fake_like([total], dtype, device))
+    sw = dict(kind="all_reduce", bytes=ring_bytes("all_reduce", total * dtype.itemsize, ws), param=params, phase=phase)
+    red = _collective(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, sw)
+    if len(xs) == 1:
+        return [reshape(g, red, vs[0].shape)]
+    parts = _fn(g, aten.split_with_sizes.default, (red, sizes))
+    outs = []
+    for i, (v, n) in enumerate(zip(vs, sizes)):
+        piece = _fn(g, operator.getitem, (parts, i), _fake_like([n], dtype, device))
+        outs.append(reshape(g, piece, v.shape))
+    return outs
+
+
+def collectives(gm: fx.GraphModule) -> list[fx.Node]:
+    """The collective-start nodes of a graph, in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_TARGETS]

@@ -1,0 +1,122 @@
+"""The sharded step program a strategy pass produces, and the rewrites every strategy shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..capture import Capture
+from ..sharding import ShardLayout
+from . import _emit
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What a strategy pass needs to know about the mesh and the precision policy."""
+
+    ws: int
+    """Ranks on the data-parallel axis."""
+    group: str
+    """Process-group name of the data-parallel axis (as functional collectives take it)."""
+    param_dtype: torch.dtype | None = None
+    """Compute dtype of parameters (mixed precision), None to compute in the storage dtype."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype gradients are reduced in, None to reduce in the compute dtype."""
+    master_dtype: torch.dtype = torch.float32
+    """dtype of the master weights the optimizer updates when ``param_dtype`` is set."""
+    bucket_bytes: int = 25 * 2**20
+    """Largest all-reduce bucket (ddp)."""
+
+
+@dataclass
+class Program:
+    """A rewritten step graph: inputs ``[*params, *buffers, *batch]``, outputs ``[loss, *grads]``."""
+
+    gm: fx.GraphModule
+    strategy: str
+    capture: Capture
+    layouts: dict[str, ShardLayout]
+    param_input: str
+    """``full``: each parameter enters whole; ``shard``: it enters as this rank's Shard(0) piece."""
+    grad_output: str
+    """``full``: each gradient leaves whole (already averaged); ``shard``: as this rank's piece."""
+    input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    """dtype each parameter input is expected in (master fp32 when the graph casts it)."""
+
+    def collective_nodes(self) -> list[fx.Node]:
+        return _emit.collectives(self.gm)
+
+    def comm_bytes(self) -> int:
+        """Bytes one rank sends per step inside this graph (ring algorithms)."""
+        return sum(n.meta["sw"]["bytes"] for n in self.collective_nodes())
+
+    def counts(self) -> dict[str, int]:
+        out = {k: 0 for k in _emit.COLLECTIVE_TARGETS.values()}
+        for n in self.collective_nodes():
+            out[n.meta["sw"]["kind"]] += 1
+        return out
+
+
+def parts(gm: fx.GraphModule):
+    """(placeholders, output node, loss node, grad nodes) of a captured step graph."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    out = gm.graph.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    return phs, out, outs[0], outs[1:]
+
+
+def replace_uses(node: fx.Node, new: fx.Node, keep: set[fx.Node] = frozenset()) -> None:
+    for user in list(node.users):
+        if user is not new and user not in keep:
+            user.replace_input_with(node, new)
+
+
+def cast_placeholders(gm: fx.GraphModule, phs: list[fx.Node], store_dtype: torch.dtype) -> None:
+    """The graph was traced with compute-dtype parameters; make them enter in ``store_dtype`` and cast."""
+    g = gm.graph
+    for ph in phs:
+        v = ph.meta["val"]
+        if not v.is_floating_point() or v.dtype == store_dtype:
+            continue
+        compute = v.dtype
+        ph.meta["val"] = torch.empty(v.shape, dtype=store_dtype, device="meta")
+        first = next(iter(ph.users), None)
+        if first is None:
+            continue
+        with g.inserting_before(ph.next):
+            c = _emit.cast(g, ph, compute)
+        replace_uses(ph, c, {c})
+
+
+def average_loss(gm: fx.GraphModule, ctx: ShardContext) -> None:
+    """The returned loss is the mean over data-parallel ranks (what DDP users print after a reduce)."""
+    g = gm.graph
+    _, out, loss, _ = parts(gm)
+    if ctx.ws == 1:
+        return
+    with g.inserting_before(out):
+        flat = _emit.reshape(g, loss, [1])
+        (red,) = _emit.all_reduce_many(g, [flat], ctx.ws, ctx.group, op="avg", phase="fwd")
+        new = _emit.reshape(g, red, [])
+    outs = list(out.args[0])
+    outs[0] = new
+    out.args = (outs,)
+
+
+def set_outputs(gm: fx.GraphModule, loss: fx.Node, grads: list[fx.Node]) -> None:
+    out = gm.graph.find_nodes(op="output")[0]
+    out.args = ([loss, *grads],)
+
+
+def input_dtypes(cap: Capture, gm: fx.GraphModule) -> dict[str, torch.dtype]:
+    phs = gm.graph.find_nodes(op="placeholder")
+    return {n: ph.meta["val"].dtype for n, ph in zip(cap.param_names, phs)}
+
+
+def finish(gm: fx.GraphModule) -> fx.GraphModule:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm

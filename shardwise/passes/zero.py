@@ -1,0 +1,157 @@
+"""ZeRO stages as rewrites of the captured step.
+
+- zero1 / zero2: every rank holds the whole model (in the compute dtype); each gradient is
+  reduce-scattered into this rank's ``Shard(0)`` piece right after it is produced; the optimizer
+  updates fp32 master shards and the runtime all-gathers them back into the whole model.
+  (With one micro-batch per step the two are the same graph; they differ in how gradients are
+  kept across micro-batches.)
+- zero3: a parameter enters the graph only as this rank's shard. It is all-gathered right before
+  its first forward use and dies after its last forward use. Backward users get a gather of
+  their own and their own copy of the view/cast chain the forward had built on the gathered
+  weight (``t(W)`` typically feeds the forward matmul and the backward one), so no gathered
+  weight lives from forward into backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..capture import Capture, forward_nodes
+from ..sharding import ShardLayout
+from . import _emit
+from .program import Program, ShardContext, average_loss, finish, input_dtypes, parts, replace_uses, set_outputs
+
+aten = torch.ops.aten
+
+# Ops that only re-view or re-type a tensor: a chain of them on a gathered weight is rebuilt in
+# backward instead of keeping the forward's result alive.
+CHAIN_OPS = {
+    aten.t.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.alias.default,
+    aten.detach.default,
+    aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+    aten.clone.default,
+}
+
+
+def layouts_for(names, shapes, ws: int) -> dict[str, ShardLayout]:
+    """Padded Shard(0) layout of each parameter over ``ws`` ranks."""
+    return {n: ShardLayout(tuple(s), ws) for n, s in zip(names, shapes)}
+
+
+def _reduce_scatter_grads(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, layouts) -> list[fx.Node]:
+    g = gm.graph
+    _, _, _, grads = parts(gm)
+    out = []
+    for name, gn in zip(cap.grad_names, grads):
+        with g.inserting_before(gn.next):
+            c = _emit.cast(g, gn, ctx.reduce_dtype)
+        with g.inserting_before(c.next):
+            out.append(_emit.reduce_scatter(g, c, layouts[name], ctx.group, param=name))
+    return out
+
+
+def apply_zero12(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, strategy: str) -> Program:
+    layouts = layouts_for(cap.param_names, cap.param_shapes, ctx.ws)
+    _, _, loss, _ = parts(gm)
+    shards = _reduce_scatter_grads(cap, gm, ctx, layouts)
+    set_outputs(gm, loss, shards)
+    average_loss(gm, ctx)
+    return Program(finish(gm), strategy, cap, layouts, "full", "shard", input_dtypes=input_dtypes(cap, gm))
+
+
+def _chain_root(node: fx.Node, params: dict[fx.Node, str], memo: dict) -> fx.Node | None:
+    """The parameter placeholder ``node`` is a pure view/cast chain of, or None."""
+    if node in memo:
+        return memo[node]
+    root = None
+    if node in params:
+        root = node
+    elif node.op == "call_function" and node.target in CHAIN_OPS:
+        ins = node.all_input_nodes
+        if len(ins) == 1:
+            root = _chain_root(ins[0], params, memo)
+    memo[node] = root
+    return root
+
+
+def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
+    g = gm.graph
+    layouts = layouts_for(cap.param_names, cap.param_shapes, ctx.ws)
+    phs, out, loss, _ = parts(gm)
+    params = {ph: name for ph, name in zip(phs[: cap.n_params], cap.param_names)}
+    nodes = list(g.nodes)
+    # forward = what the loss depends on, plus anything traced before the loss (saved-for-backward
+    # detaches and the like); the rest is backward
+    fwd = forward_nodes(gm) | set(nodes[: nodes.index(loss)])
+    order = {n: i for i, n in enumerate(nodes)}
+
+    compute: dict[fx.Node, torch.dtype] = {}
+    store: dict[fx.Node, torch.dtype] = {}
+    for ph, name in params.items():
+        v = ph.meta["val"]
+        compute[ph] = v.dtype
+        store[ph] = ctx.master_dtype if (ctx.param_dtype is not None and v.is_floating_point()) else v.dtype
+
+    def gather(ph: fx.Node, before: fx.Node, phase: str) -> fx.Node:
+        with g.inserting_before(before):
+            s = _emit.cast(g, ph, compute[ph])
+            return _emit.all_gather(g, s, layouts[params[ph]], ctx.group, param=params[ph], phase=phase)
+
+    # placeholders enter as shards (in the master dtype under mixed precision)
+    for ph, name in params.items():
+        ph.meta["val"] = torch.empty(layouts[name].local_shape, dtype=store[ph], device="meta")
+
+    # backward first, on the original links: every backward read of a parameter or of a forward
+    # view/cast chain of it is redirected to a copy of that chain on a backward gather
+    memo: dict = {}
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def rebuild(node: fx.Node, before: fx.Node) -> fx.Node:
+        if node not in copies:
+            if node in params:
+                copies[node] = gather(node, before, "bwd")
+            else:
+                (src,) = node.all_input_nodes
+                src_new = rebuild(src, before)
+                with g.inserting_before(before):
+                    new = g.node_copy(node, lambda n: src_new if n is src else n)
+                new.meta = dict(node.meta)
+                copies[node] = new
+        return copies[node]
+
+    for node in nodes:
+        if node in fwd or node.op != "call_function":
+            continue
+        for a in list(node.all_input_nodes):
+            if (a in params or a in fwd) and _chain_root(a, params, memo) is not None:
+                node.replace_input_with(a, rebuild(a, node))
+
+    # forward: one gather per parameter, right before its first forward user
+    for ph in params:
+        users = sorted((u for u in ph.users if u in fwd), key=order.__getitem__)
+        if not users:
+            continue
+        full = gather(ph, users[0], "fwd")
+        for u in users:
+            u.replace_input_with(ph, full)
+
+    shards = _reduce_scatter_grads(cap, gm, ctx, layouts)
+    set_outputs(gm, loss, shards)
+    average_loss(gm, ctx)
+    prog = Program(finish(gm), "zero3", cap, layouts, "shard", "shard")
+    prog.input_dtypes = {params[ph]: store[ph] for ph in params}
+    return prog

@@ -1,0 +1,34 @@
+"""Run a rewritten step graph compiled by inductor, without letting inductor change the plan."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+
+def compile_graph(gm: fx.GraphModule) -> Callable:
+    """Compile ``gm`` with inductor on its first call's inputs; later calls reuse the kernels.
+
+    The graph already holds its backward, so it is compiled under ``no_grad`` with detached inputs
+    (inductor must not differentiate it again). Common-subexpression elimination is off so that
+    zero3's separate backward gathers are not merged back into the forward ones, and inductor's
+    own communication reordering stays off so that it cannot undo our collective order.
+    """
+    from torch._inductor import config as ind_cfg
+    from torch._inductor.compile_fx import compile_fx
+    from torch._functorch import config as ft_cfg
+
+    compiled = None
+
+    def run(*inputs):
+        nonlocal compiled
+        inputs = [x.detach() for x in inputs]
+        if compiled is None:
+            with torch.no_grad(), ft_cfg.patch(cse=False), ind_cfg.patch(reorder_for_compute_comm_overlap=False):
+                compiled = compile_fx(gm, inputs)
+        with torch.no_grad():
+            return compiled(*inputs)
+
+    return run

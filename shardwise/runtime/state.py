@@ -1,0 +1,174 @@
+"""Training state on one rank: the parameters each strategy keeps, the master shards, the optimizer.
+
+What lives where, per strategy (``Ψ`` = parameter count, ``N`` = data-parallel ranks):
+
+=========  ==========================================  =================  =============
+strategy   parameters kept whole                       optimizer updates  its state
+=========  ==========================================  =================  =============
+ddp        the model's own parameters                  whole parameters   whole
+zero1/2    the model's (or a compute-dtype copy)       fp32 shards Ψ/N    sharded
+zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    sharded
+=========  ==========================================  =================  =============
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..sharding import ShardLayout
+
+# Optimizers whose update of one element reads only that element's parameter, gradient and state,
+# so they give the same result on a shard as on the whole tensor.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.ASGD,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+)
+
+
+class ShardedState:
+    """Holds this rank's parameters and optimizer for one strategy; see the module table."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: str,
+        layouts: dict[str, ShardLayout],
+        rank: int,
+        optimizer_factory: Callable,
+        param_dtype: torch.dtype | None,
+    ):
+        self.strategy = strategy
+        self.layouts = layouts
+        self.rank = rank
+        params = dict(model.named_parameters())
+        self.names = list(params)
+        self.trainable = {n: p.requires_grad for n, p in params.items()}
+        self.shapes = {n: p.shape for n, p in params.items()}
+        self.dtypes = {n: p.dtype for n, p in params.items()}
+        self.full: dict[str, torch.Tensor] = {}
+        self.master: dict[str, torch.Tensor] = {}
+        if strategy == "ddp":
+            self.full = {n: p for n, p in params.items()}
+            opt_tensors = [(n, p) for n, p in params.items() if p.requires_grad]
+        else:
+            for n, p in params.items():
+                shard = layouts[n].shard(p.detach(), rank)
+                self.master[n] = nn.Parameter(shard, requires_grad=p.requires_grad)
+            if strategy in ("zero1", "zero2"):
+                for n, p in params.items():
+                    keep = param_dtype is None or not p.is_floating_point()
+                    self.full[n] = p.detach() if keep else p.detach().to(param_dtype)
+            if strategy == "zero3" or param_dtype is not None:
+                # the whole weights now live only as shards (and, for zero1/2, compute copies)
+                release_to_meta(model)
+            opt_tensors = [(n, t) for n, t in self.master.items() if t.requires_grad]
+        if not opt_tensors:
+            raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+        self.opt_tensors = dict(opt_tensors)
+        self.optimizer = optimizer_factory(opt_tensors)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer= must be a factory returning a torch.optim.Optimizer, got {type(self.optimizer).__name__}; "
+                "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
+            )
+        if strategy != "ddp" and not _elementwise(self.optimizer):
+            raise ValueError(
+                f"{type(self.optimizer).__name__} is not known to be elementwise, so it cannot run on {strategy} "
+                f"shards (its update of one element may read others). Use one of "
+                f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}, strategy='ddp', or mark a class whose "
+                "update is elementwise with `shardwise_elementwise = True`."
+            )
+
+    def param_inputs(self, full_input: bool, dtypes: dict[str, torch.dtype]) -> list[torch.Tensor]:
+        """The parameter inputs of the step graph, in capture order."""
+        src = self.full if full_input else self.master
+        out = []
+        for n in self.names:
+            t = src[n].detach()
+            if t.dtype != dtypes[n]:
+                raise RuntimeError(f"internal: parameter {n} is stored as {t.dtype}, the graph expects {dtypes[n]}")
+            out.append(t)
+        return out
+
+    def set_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        for n, g in grads.items():
+            t = self.opt_tensors[n]
+            t.grad = g if g.dtype == t.dtype else g.to(t.dtype)
+
+    @torch.no_grad()
+    def sync_full_from_master(self, group: dist.ProcessGroup, ws: int) -> int:
+        """zero1/2: all-gather the updated master shards into the whole compute copies.
+
+        One flat all-gather per dtype. Returns the bytes this rank sent.
+        """
+        if self.strategy not in ("zero1", "zero2"):
+            return 0
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n in self.names:
+            if self.trainable[n]:
+                by_dtype.setdefault(self.full[n].dtype, []).append(n)
+        sent = 0
+        for dtype, names in by_dtype.items():
+            flat = torch.cat([self.master[n].detach().reshape(-1).to(dtype) for n in names])
+            if ws > 1:
+                out = flat.new_empty(ws * flat.numel())
+                dist.all_gather_into_tensor(out, flat, group=group)
+                sent += (ws - 1) * flat.numel() * flat.element_size()
+            else:
+                out = flat
+            per_rank = out.view(ws, -1)
+            off = 0
+            for n in names:
+                lay = self.layouts[n]
+                k = lay.local_numel
+                piece = per_rank[:, off : off + k].reshape(lay.padded_shape)
+                self.full[n].copy_(lay.unshard(piece))
+                off += k
+        return sent
+
+    @torch.no_grad()
+    def gather_full(self, name: str, group: dist.ProcessGroup, ws: int) -> torch.Tensor:
+        """The whole value of parameter ``name`` (collective: every rank must call it)."""
+        if self.strategy == "ddp":
+            return self.full[name].detach()
+        shard = self.master[name].detach()
+        lay = self.layouts[name]
+        if ws == 1:
+            return lay.unshard(shard)
+        out = shard.new_empty(lay.padded_shape)
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+        return lay.unshard(out)
+
+
+def release_to_meta(model: nn.Module) -> None:
+    """Swap every parameter for a ``meta`` one of the same shape (tied parameters stay tied)."""
+    new: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for k, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            mod._parameters[k] = new[id(p)]
+
+
+def _elementwise(opt: torch.optim.Optimizer) -> bool:
+    if getattr(opt, "shardwise_elementwise", False):
+        return True
+    if type(opt) in ELEMENTWISE_OPTIMIZERS:
+        # amsgrad/maximize/weight decay/momentum are elementwise too
+        return True
+    return False

@@ -1,0 +1,94 @@
+"""Placement value types used in plans and plan dumps: how a tensor lies along one mesh axis."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split along tensor dim ``dim`` into equal, zero-padded pieces, one per rank of the axis."""
+
+    dim: int = 0
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """A full copy on every rank of the axis."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Every rank holds a summand (or, for ``avg``, a term of the mean); a reduction is pending."""
+
+    op: str = "sum"
+
+    def __str__(self) -> str:
+        return "P" if self.op == "sum" else f"P({self.op})"
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A parameter of ``shape`` stored as padded ``Shard(0)`` over ``ws`` ranks (as FSDP2 stores it).
+
+    Dim 0 is padded up to a multiple of ``ws``; rank r holds rows ``[r*rows, (r+1)*rows)``. A 0-dim
+    parameter is treated as shape ``(1,)``. Padding rows are zeros and stay zero under elementwise
+    optimizers (zero gradient, zero state).
+    """
+
+    shape: tuple[int, ...]
+    ws: int
+
+    def __post_init__(self):
+        if self.ws < 1:
+            raise ValueError(f"ShardLayout: ws must be >= 1, got {self.ws}")
+
+    @property
+    def shape2(self) -> tuple[int, ...]:
+        return tuple(self.shape) if len(self.shape) else (1,)
+
+    @property
+    def rows(self) -> int:
+        return math.ceil(self.shape2[0] / self.ws)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.shape2[1:])
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        return (self.rows * self.ws, *self.shape2[1:])
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def pad_rows(self) -> int:
+        return self.rows * self.ws - self.shape2[0]
+
+    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's piece of ``full`` as a new contiguous tensor (padding rows zero)."""
+        full = full.reshape(self.shape2)
+        out = full.new_zeros(self.local_shape)
+        lo = rank * self.rows
+        hi = min(lo + self.rows, self.shape2[0])
+        if hi > lo:
+            out[: hi - lo].copy_(full[lo:hi])
+        return out
+
+    def unshard(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full tensor from the ``padded_shape`` concatenation of all shards."""
+        return gathered[: self.shape2[0]].reshape(self.shape)
+
+    def __str__(self) -> str:
+        return str(Shard(0))

@@ -1,0 +1,81 @@
+"""Persistent spawned gloo ranks for tests: start once per world size, run many functions."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ws))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=120))
+    while True:
+        item = inq.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            outq.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            outq.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class RemoteError(Exception):
+    def __init__(self, rank, name, msg, tb):
+        super().__init__(f"rank {rank}: {name}: {msg}\n{tb}")
+        self.rank, self.name, self.msg = rank, name, msg
+
+
+class Pool:
+    """``ws`` gloo ranks in spawned processes; ``run(fn, ...)`` calls ``fn`` on every rank."""
+
+    def __init__(self, ws: int):
+        self.ws = ws
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.inqs = [ctx.Queue() for _ in range(ws)]
+        self.outq = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, ws, port, self.inqs[r], self.outq), daemon=True) for r in range(ws)]
+        for p in self.procs:
+            p.start()
+
+    def run_all(self, fn, *args, timeout: float = 600, **kwargs) -> list:
+        """Per-rank results, or per-rank (exception name, message, traceback) where a rank raised."""
+        for q in self.inqs:
+            q.put((fn, args, kwargs))
+        res = [None] * self.ws
+        for _ in range(self.ws):
+            r, ok, val = self.outq.get(timeout=timeout)
+            res[r] = (ok, val)
+        return res
+
+    def run(self, fn, *args, **kwargs) -> list:
+        res = self.run_all(fn, *args, **kwargs)
+        for r, (ok, val) in enumerate(res):
+            if not ok:
+                raise RemoteError(r, *val)
+        return [v for _, v in res]
+
+    def close(self) -> None:
+        for q in self.inqs:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,65 @@
+"""Shared pieces of the parity tests: deterministic data, the single-device reference, rank runs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.models import PRESETS, build
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+LR = 1e-2
+
+
+def make_model(name: str, dtype: str, seed: int = 0, **over):
+    torch.manual_seed(seed)
+    return build(name, "tiny", **over).to(DTYPES[dtype])
+
+
+def make_batch(name: str, step: int, rank: int, batch: int = 2, seed: int = 0):
+    cfg = PRESETS[name]["tiny"]
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    tok = torch.randint(0, cfg["vocab"], (batch, cfg["seq"] + 1), generator=g)
+    return (tok[:, :-1].contiguous(), tok[:, 1:].contiguous())
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = ()):
+    """Single-process eager training: each step averages the gradients of ws micro-batches (DDP)."""
+    model = make_model(name, dtype, **dict(over))
+    opt = adamw(list(model.named_parameters()))
+    losses = []
+    for s in range(steps):
+        acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        tot = 0.0
+        for r in range(ws):
+            loss = model(*make_batch(name, s, r))
+            grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+            for (n, _), g in zip(model.named_parameters(), grads):
+                if g is not None:
+                    acc[n] += g
+            tot += loss.item()
+        for n, p in model.named_parameters():
+            p.grad = acc[n] / ws
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(tot / ws)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None):
+    """Run on every rank of the pool; returns (losses, full_state_dict on rank 0, job summary)."""
+    model = make_model(name, dtype, **dict(over))
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), compile=compile)
+    rank = dist.get_rank()
+    losses = [float(job.step(make_batch(name, s, rank))) for s in range(steps)]
+    sd = job.full_state_dict()
+    counts = job.programs()[0].counts()
+    return losses, sd, counts
