@@ -157,9 +157,9 @@ class Job:
         if self.ws == 1:
             return
         mine = torch.tensor([signature_hash(sig)], dtype=torch.int64)
-        allh = torch.empty(self.ws, dtype=torch.int64)
-        dist.all_gather_into_tensor(allh, mine, group=self.ctrl)
-        if bool((allh == allh[0]).all()):
+        allh = [torch.empty_like(mine) for _ in range(self.ws)]
+        dist.all_gather(allh, mine, group=self.ctrl)
+        if all(bool(h == allh[0]) for h in allh):
             return
         descs: list[Any] = [None] * self.ws
         dist.all_gather_object(descs, sig[:400], group=self.ctrl)

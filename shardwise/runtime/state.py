@@ -124,8 +124,7 @@ class ShardedState:
         for dtype, names in by_dtype.items():
             flat = torch.cat([self.master[n].detach().reshape(-1).to(dtype) for n in names])
             if ws > 1:
-                out = flat.new_empty(ws * flat.numel())
-                dist.all_gather_into_tensor(out, flat, group=group)
+                out = _all_gather(flat, ws, group)
                 sent += (ws - 1) * flat.numel() * flat.element_size()
             else:
                 out = flat
@@ -148,9 +147,13 @@ class ShardedState:
         lay = self.layouts[name]
         if ws == 1:
             return lay.unshard(shard)
-        out = shard.new_empty(lay.padded_shape)
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
-        return lay.unshard(out)
+        return lay.unshard(_all_gather(shard.contiguous(), ws, group))
+
+
+def _all_gather(x: torch.Tensor, ws: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenation along dim 0 of ``x`` from every rank (functional collective, waited)."""
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, group.group_name))
 
 
 def release_to_meta(model: nn.Module) -> None:

@@ -1,0 +1,36 @@
+"""Start N local ranks when the job is not already under torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+import torch.multiprocessing as mp
+
+
+def under_launcher() -> bool:
+    """True inside torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), SHARDWISE_BACKEND="gloo",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    fn(*args)
+
+
+def spawn(fn: Callable, nproc: int, *args) -> None:
+    """Run ``fn(*args)`` on ``nproc`` spawned CPU ranks joined by gloo; an error on any rank stops all."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    mp.start_processes(_entry, args=(nproc, _free_port(), fn, args), nprocs=nproc, start_method="spawn")
