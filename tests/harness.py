@@ -32,7 +32,21 @@ def adamw(params):
 
 @functools.lru_cache(maxsize=None)
 def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = ()):
-    """Single-process eager training: each step averages the gradients of ws micro-batches (DDP)."""
+    """Single-process eager training: each step averages the gradients of ws micro-batches (DDP).
+
+    Runs single-threaded like the pool's ranks: CPU kernels reduce in an order that depends on the
+    thread count, and AdamW turns that rounding noise in a mathematically-zero gradient (GPT's key
+    bias: softmax ignores a per-row shift) into visible parameter differences.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(name, dtype, ws, steps, over)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(name, dtype, ws, steps, over):
     model = make_model(name, dtype, **dict(over))
     opt = adamw(list(model.named_parameters()))
     losses = []
