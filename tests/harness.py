@@ -77,3 +77,16 @@ def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = ()
     sd = job.full_state_dict()
     counts = job.programs()[0].counts()
     return losses, sd, counts
+
+
+def mismatched_batches():
+    """Rank 1 passes a longer batch than rank 0: every rank must raise, none may hang."""
+    model = make_model("gpt", "fp32")
+    job = sw.compile(model, optimizer=adamw, strategy="zero3", mesh=sw.mesh())
+    rank = dist.get_rank()
+    x, y = make_batch("gpt", 0, rank, batch=2 + rank)
+    job.step((x, y))
+
+
+def bad_mesh(dp):
+    sw.mesh(dp=dp)

@@ -103,8 +103,12 @@ def extract_loss(out, batch, loss_fn: Callable | None) -> torch.Tensor:
             "or an object with .loss (as HF models do when given labels), or pass loss_fn=(outputs, batch) -> loss"
         )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise CaptureError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        where = "loss_fn returned" if loss_fn is not None else "the model returned"
+        raise CaptureError(
+            f"{where} {got}, not a loss (a scalar tensor): make forward return the loss, or pass "
+            "loss_fn=(outputs, batch) -> scalar (e.g. cross-entropy of logits and targets, reduced with .mean())"
+        )
     return loss.reshape(())
 
 

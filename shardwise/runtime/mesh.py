@@ -65,14 +65,16 @@ def mesh(dp: int | None = None, device: str | torch.device | None = None) -> Mes
     """
     if dp is not None and (not isinstance(dp, int) or dp < 1):
         raise ValueError(f"mesh: dp must be a positive int, got {dp!r}")
+    launch_hint = (
+        f"launch with `torchrun --nproc-per-node {dp} ...`, or `shardwise train --nproc {dp}`, "
+        "or call torch.distributed.init_process_group first"
+    )
     if not dist.is_initialized() and dp not in (None, 1) and "RANK" not in os.environ:
-        raise ValueError(
-            f"mesh(dp={dp}) needs {dp} processes but this is a single process with no process group: "
-            f"launch with `torchrun --nproc-per-node {dp} ...`, or `shardwise train --nproc {dp}`, "
-            "or call torch.distributed.init_process_group first"
-        )
+        raise ValueError(f"mesh(dp={dp}) needs {dp} processes but this is a single process: {launch_hint}")
     ensure_process_group()
     ws = dist.get_world_size()
+    if ws == 1 and dp not in (None, 1):
+        raise ValueError(f"mesh(dp={dp}) needs {dp} processes but this job has one: {launch_hint}")
     if dp is None:
         dp = ws
     if dp != ws:

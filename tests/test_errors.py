@@ -1,0 +1,111 @@
+"""Bad input ends in an error that names what is wrong and how to fix it (DESIGN.md invariant 4)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import harness
+import shardwise as sw
+from shardwise.capture import CaptureError
+
+
+def job_for(model, **kw):
+    kw.setdefault("optimizer", harness.adamw)
+    return sw.compile(model, mesh=sw.mesh(dp=1), **kw)
+
+
+def test_unknown_strategy():
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero4': choose one of ddp, zero1, zero2, zero3"):
+        job_for(harness.make_model("gpt", "fp32"), strategy="zero4")
+
+
+def test_optimizer_instance_instead_of_factory():
+    m = harness.make_model("gpt", "fp32")
+    with pytest.raises(TypeError, match="takes a factory"):
+        sw.compile(m, optimizer=torch.optim.AdamW(m.parameters()), mesh=sw.mesh(dp=1))
+
+
+def test_non_elementwise_optimizer_on_shards():
+    m = harness.make_model("gpt", "fp32")
+    with pytest.raises(ValueError, match="Adafactor is not known to be elementwise.*strategy='ddp'"):
+        job_for(m, optimizer=lambda p: torch.optim.Adafactor(p), strategy="zero2")
+    # the same optimizer is fine where nothing is sharded
+    job_for(harness.make_model("gpt", "fp32"), optimizer=lambda p: torch.optim.Adafactor(p), strategy="ddp")
+
+
+def test_mesh_larger_than_single_process():
+    with pytest.raises(ValueError, match=r"mesh\(dp=3\) needs 3 processes.*torchrun --nproc-per-node 3"):
+        sw.mesh(dp=3)
+
+
+def test_mesh_not_covering_the_world(pools):
+    res = pools(2).run_all(harness.bad_mesh, 3)
+    for ok, val in res:
+        assert not ok and val[0] == "ValueError"
+        assert "the world has 2 ranks" in val[1] and "dp must equal 2" in val[1]
+
+
+def test_batch_shapes_differ_across_ranks(pools):
+    res = pools(2).run_all(harness.mismatched_batches, timeout=120)
+    for ok, val in res:
+        assert not ok and val[0] == "ValueError", val
+        assert "batch shapes differ across ranks" in val[1]
+        assert "ranks [0]" in val[1] and "ranks [1]" in val[1]  # says who holds what
+
+
+class NonzeroRouting(nn.Module):
+    """Data-dependent shapes: not traceable to one static graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        picked = x[x.sum(-1) > 0]
+        return self.lin(picked).sum()
+
+
+def test_unsupported_construct_names_the_location():
+    job = job_for(NonzeroRouting(), strategy="zero3")
+    with pytest.raises(CaptureError, match=r"cannot trace NonzeroRouting's training step whole.*test_errors.py:\d+"):
+        job.step(torch.randn(3, 4))
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(x).pow(2).mean()
+
+
+def test_mutated_buffer_is_refused():
+    job = job_for(WithBatchNorm(), strategy="ddp")
+    with pytest.raises(CaptureError, match=r"writes in place to 'bn\.(running_mean|num_batches_tracked)'.*BatchNorm"):
+        job.step(torch.randn(3, 4))
+
+
+def test_model_without_loss():
+    job = job_for(harness.make_model("gpt", "fp32"), strategy="zero3")
+    x = torch.randint(0, 64, (2, 16))
+    with pytest.raises(CaptureError, match="not a loss.*loss_fn"):
+        job.step((x,))  # no targets: the model returns logits
+
+
+def test_loss_fn_makes_a_logits_model_trainable():
+    job = job_for(harness.make_model("gpt", "fp32"), strategy="zero3",
+                  loss_fn=lambda logits, batch: logits.float().pow(2).mean())
+    x = torch.randint(0, 64, (2, 16))
+    assert torch.isfinite(job.step((x,)))
+
+
+def test_model_on_another_device_than_the_mesh():
+    m = harness.make_model("gpt", "fp32").to("meta")
+    with pytest.raises(ValueError, match=r"move the model first: model.to\('cpu'\)"):
+        job_for(m, strategy="zero3")
+
+
+def test_bad_mixed_precision_dtype():
+    with pytest.raises(ValueError, match="MixedPrecision.param_dtype"):
+        sw.MixedPrecision(param_dtype="bf17")

@@ -1,0 +1,125 @@
+"""What each strategy does to the captured graph (structure only; no process group needed)."""
+
+import pytest
+import torch
+
+from shardwise.capture import capture_step, forward_nodes
+from shardwise.models import build
+from shardwise.passes import ShardContext, shard_step
+from shardwise.passes.zero import CHAIN_OPS
+
+WS = 4
+
+
+def captured(name="gpt", dtype=None, **over):
+    torch.manual_seed(0)
+    m = build(name, "tiny", **over)
+    x = torch.randint(0, 64, (2, 16))
+    return m, capture_step(m, (x, x), param_dtype=dtype)
+
+
+def sw_nodes(gm, kind=None, phase=None):
+    out = []
+    for n in gm.graph.nodes:
+        sw = n.meta.get("sw")
+        if sw and (kind is None or sw["kind"] == kind) and (phase is None or sw["phase"] == phase):
+            out.append(n)
+    return out
+
+
+def test_capture_is_one_graph_of_forward_and_backward():
+    m, cap = captured()
+    n_in = len(cap.gm.graph.find_nodes(op="placeholder"))
+    assert n_in == cap.n_params + len(cap.buffer_names) + 2
+    out = cap.gm.graph.find_nodes(op="output")[0].args[0]
+    assert len(out) == 1 + len(cap.grad_names)
+    # tied embedding/head: one parameter, one gradient
+    assert "head.weight" not in cap.param_names and "wte.weight" in cap.param_names
+    assert len(forward_nodes(cap.gm)) < len(cap.gm.graph.nodes)  # backward is in the graph too
+    assert not sw_nodes(cap.gm)  # no collective before a strategy pass
+
+
+def test_ddp_buckets_all_reduces():
+    _, cap = captured()
+    one = shard_step(cap, "ddp", ShardContext(WS, "g", bucket_bytes=1 << 30))
+    assert one.counts() == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 2}  # one bucket + the loss
+    small = shard_step(cap, "ddp", ShardContext(WS, "g", bucket_bytes=16 * 1024))
+    buckets = [n for n in sw_nodes(small.gm, "all_reduce") if n.meta["sw"]["phase"] == "bwd"]
+    assert len(buckets) > 2
+    names = [p for b in buckets for p in b.meta["sw"]["param"]]
+    assert sorted(names) == sorted(cap.grad_names)  # every gradient in exactly one bucket
+    # a bucket is issued before the backward ends: some backward compute follows the first one
+    nodes = list(small.gm.graph.nodes)
+    first = nodes.index(buckets[0])
+    assert any(n.op == "call_function" and "mm" in str(n.target) for n in nodes[first:])
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_zero12_reduce_scatters_gradients(strategy):
+    _, cap = captured()
+    prog = shard_step(cap, strategy, ShardContext(WS, "g"))
+    assert prog.counts() == {"all_gather": 0, "reduce_scatter": len(cap.grad_names), "all_reduce": 1}
+    assert prog.param_input == "full" and prog.grad_output == "shard"
+    outs = prog.gm.graph.find_nodes(op="output")[0].args[0][1:]
+    for name, o in zip(cap.grad_names, outs):
+        assert tuple(o.meta["val"].shape) == prog.layouts[name].local_shape
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_zero3_gathers_each_parameter_for_forward_and_for_backward(name):
+    _, cap = captured(name)
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g"))
+    fwd = [n.meta["sw"]["param"] for n in sw_nodes(prog.gm, "all_gather", "fwd")]
+    bwd = [n.meta["sw"]["param"] for n in sw_nodes(prog.gm, "all_gather", "bwd")]
+    assert sorted(fwd) == sorted(cap.param_names)  # one forward gather per parameter
+    assert len(set(bwd)) == len(bwd)  # at most one backward gather per parameter
+    # every linear weight is read again in backward (for its input's gradient), so it is gathered
+    # again; an untied embedding table is not (its backward reads only the indices)
+    untied_tables = {"wpe.weight", "tok.weight"}
+    mats = [n for n, s in zip(cap.param_names, cap.param_shapes) if len(s) >= 2 and n not in untied_tables]
+    assert set(mats) <= set(bwd)
+    assert prog.counts()["reduce_scatter"] == len(cap.grad_names)
+    # every parameter input is now a shard
+    for ph, n in zip(prog.gm.graph.find_nodes(op="placeholder"), cap.param_names):
+        assert tuple(ph.meta["val"].shape) == prog.layouts[n].local_shape
+
+
+def _chain_users(node):
+    """Every node that reads ``node`` or a pure view/cast chain of it."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.op == "call_function" and u.target in CHAIN_OPS:
+                stack.append(u)
+            out.append(u)
+    return out
+
+
+@pytest.mark.parametrize("over", [{}, {"checkpoint": True}])
+def test_zero3_no_gathered_weight_lives_into_backward(over):
+    _, cap = captured("llama", **over)
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g"))
+    nodes = list(prog.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    first_bwd = min(pos[n] for n in sw_nodes(prog.gm, "all_gather", "bwd"))
+    for start in sw_nodes(prog.gm, "all_gather", "fwd"):
+        wait = next(iter(start.users))
+        last = max(pos[u] for u in _chain_users(wait))
+        assert last < first_bwd, f"{start.meta['sw']['param']} gathered in forward is read at node {nodes[last]}"
+
+
+def test_zero3_mixed_precision_casts_the_shard_before_gathering():
+    _, cap = captured("llama", dtype=torch.bfloat16)
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g", param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    for start in sw_nodes(prog.gm, "all_gather"):
+        assert start.args[0].meta["val"].dtype == torch.bfloat16
+    for start in sw_nodes(prog.gm, "reduce_scatter"):
+        assert start.args[0].meta["val"].dtype == torch.float32
+    assert all(prog.input_dtypes[n] == torch.float32 for n in cap.param_names)
+
+
+def test_ws1_inserts_no_collectives():
+    _, cap = captured()
+    for s in ["ddp", "zero1", "zero2", "zero3"]:
+        assert sum(shard_step(cap, s, ShardContext(1, "g")).counts().values()) == 0
