@@ -90,3 +90,18 @@ def mismatched_batches():
 
 def bad_mesh(dp):
     sw.mesh(dp=dp)
+
+
+def measured_peak(strategy: str, over: tuple = ()):
+    """(peak bytes on this rank during step 2, parameter bytes) for a model whose state dwarfs its activations."""
+    from shardwise.runtime.memory import measure
+
+    torch.manual_seed(0)
+    model = build("llama", "small", **dict(over))
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 256, (1, 8), generator=g)
+    job.step((x, x))
+    _, peak = measure(job, lambda: job.step((x, x)))
+    return peak, sum(p.numel() * 4 for p in model.parameters())

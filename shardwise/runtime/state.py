@@ -21,6 +21,9 @@ import torch.nn as nn
 
 from ..sharding import ShardLayout
 
+# zero1/2 gather a parameter at least this large straight into its storage; smaller ones share a bucket
+IN_PLACE_BYTES = 64 * 1024
+
 # Optimizers whose update of one element reads only that element's parameter, gradient and state,
 # so they give the same result on a shard as on the whole tensor.
 ELEMENTWISE_OPTIMIZERS = (
@@ -112,29 +115,35 @@ class ShardedState:
     def sync_full_from_master(self, group: dist.ProcessGroup, ws: int) -> int:
         """zero1/2: all-gather the updated master shards into the whole compute copies.
 
-        One flat all-gather per dtype. Returns the bytes this rank sent.
+        A parameter whose rows split evenly is gathered straight into its own storage (no
+        temporary); the small or padded rest go through one flat all-gather per dtype. Returns the
+        bytes this rank sent.
         """
         if self.strategy not in ("zero1", "zero2"):
             return 0
+        c10d = torch.ops._c10d_functional
+        sent = 0
         by_dtype: dict[torch.dtype, list[str]] = {}
         for n in self.names:
-            if self.trainable[n]:
-                by_dtype.setdefault(self.full[n].dtype, []).append(n)
-        sent = 0
+            if not self.trainable[n]:
+                continue
+            full, lay = self.full[n], self.layouts[n]
+            shard = self.master[n].detach().to(full.dtype)
+            sent += (ws - 1) * shard.numel() * shard.element_size()
+            if ws == 1:
+                full.copy_(lay.unshard(shard))
+            elif lay.pad_rows == 0 and full.is_contiguous() and full.numel() * full.element_size() >= IN_PLACE_BYTES:
+                c10d.wait_tensor(c10d.all_gather_into_tensor_out(shard, ws, group.group_name, out=full.view(lay.padded_shape)))
+            else:
+                by_dtype.setdefault(full.dtype, []).append(n)
         for dtype, names in by_dtype.items():
             flat = torch.cat([self.master[n].detach().reshape(-1).to(dtype) for n in names])
-            if ws > 1:
-                out = _all_gather(flat, ws, group)
-                sent += (ws - 1) * flat.numel() * flat.element_size()
-            else:
-                out = flat
-            per_rank = out.view(ws, -1)
+            per_rank = _all_gather(flat, ws, group).view(ws, -1)
             off = 0
             for n in names:
                 lay = self.layouts[n]
                 k = lay.local_numel
-                piece = per_rank[:, off : off + k].reshape(lay.padded_shape)
-                self.full[n].copy_(lay.unshard(piece))
+                self.full[n].copy_(lay.unshard(per_rank[:, off : off + k].reshape(lay.padded_shape)))
                 off += k
         return sent
 

@@ -1,0 +1,24 @@
+"""Measured (not computed) per-rank memory of each strategy, against the ZeRO formulas."""
+
+import harness
+
+WS = 4
+
+
+def test_peak_memory_falls_from_ddp_to_zero1_to_zero3(pools):
+    peaks = {}
+    for s in ["ddp", "zero1", "zero3"]:
+        res = pools(WS).run(harness.measured_peak, s)
+        peaks[s] = max(p for p, _ in res)
+        P = res[0][1]  # bytes of the fp32 parameters (Ψ·4)
+    # fp32 AdamW, Ψ parameters, P = 4Ψ bytes. ddp holds params + grads + 2 moments = 4P, plus the
+    # flat copy of a gradient bucket during its all-reduce (here one 25 MiB bucket holds every
+    # gradient: +P, as DDP's own buckets do). zero1 keeps the parameters whole and shards the moments
+    # and an fp32 master: P + 3P/N, plus gradients that live only until their reduce-scatter.
+    # zero3 shards all of it: 4P/N. Activations are tiny here (batch 1 x 8 tokens).
+    assert peaks["ddp"] > peaks["zero1"] > peaks["zero3"], peaks
+    assert 5 * P <= peaks["ddp"] <= 5 * P + P / 4, (peaks["ddp"] / P)
+    assert P + 3 * P / WS <= peaks["zero1"] <= P + 3 * P / WS + P / 2, (peaks["zero1"] / P)
+    # zero3: sharded state plus what is gathered at once. Were any gathered weight kept from
+    # forward into backward, all of them would be (+P): the bound leaves far less than that.
+    assert peaks["zero3"] <= 4 * P / WS + P / 4, (peaks["zero3"] / P)
