@@ -105,3 +105,37 @@ def measured_peak(strategy: str, over: tuple = ()):
     job.step((x, x))
     _, peak = measure(job, lambda: job.step((x, x)))
     return peak, sum(p.numel() * 4 for p in model.parameters())
+
+
+def bf16_vs_fsdp2(name: str, steps: int, strategy: str = "zero3"):
+    """bf16 compute, fp32 master and reduction: shardwise and FSDP2 from the same weights and data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = make_model(name, "fp32")
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(),
+                     mixed_precision=sw.MixedPrecision(**policy))
+    ours = [float(job.step(make_batch(name, s, rank))) for s in range(steps)]
+    sd = job.full_state_dict(rank0_only=False)
+
+    ref = make_model(name, "fp32")
+    mesh = init_device_mesh("cpu", (ws,))
+    mp = MixedPrecisionPolicy(**policy)
+    for blk in ref.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(ref, mesh=mesh, mp_policy=mp)
+    opt = adamw(list(ref.named_parameters()))
+    theirs = []
+    for s in range(steps):
+        loss = ref(*make_batch(name, s, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        red = loss.detach().float().clone()
+        dist.all_reduce(red)
+        theirs.append(float(red) / ws)
+    ref_sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ref.state_dict().items()}
+    errs = {k: float((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm().clamp_min(1e-30)) for k in ref_sd}
+    return ours, theirs, errs
