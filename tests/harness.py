@@ -139,3 +139,55 @@ def bf16_vs_fsdp2(name: str, steps: int, strategy: str = "zero3"):
     ref_sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ref.state_dict().items()}
     errs = {k: float((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm().clamp_min(1e-30)) for k in ref_sd}
     return ours, theirs, errs
+
+
+def make_hf(kind: str, dtype: str = "fp64"):
+    """A tiny HF model with random weights (no download)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = tf.LlamaForCausalLM(cfg)
+    else:
+        cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = tf.GPT2LMHeadModel(cfg)
+    return model.to(DTYPES[dtype])
+
+
+def hf_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(step * 1009 + rank)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+@functools.lru_cache(maxsize=None)
+def hf_reference(kind: str, ws: int, steps: int):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_hf(kind)
+        opt = adamw(list(model.named_parameters()))
+        losses = []
+        for s in range(steps):
+            tot = 0.0
+            for r in range(ws):
+                loss = model(**hf_batch(s, r)).loss / ws
+                loss.backward()
+                tot += loss.item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(tot)
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def hf_run(kind: str, strategy: str, steps: int):
+    model = make_hf(kind)
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    rank = dist.get_rank()
+    losses = [float(job.step(hf_batch(s, rank))) for s in range(steps)]
+    return losses, job.full_state_dict()
