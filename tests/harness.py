@@ -14,9 +14,13 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 LR = 1e-2
 
 
-def make_model(name: str, dtype: str, seed: int = 0, **over):
+def make_model(name: str, dtype: str, seed: int = 0, freeze: tuple = (), **over):
     torch.manual_seed(seed)
-    return build(name, "tiny", **over).to(DTYPES[dtype])
+    model = build(name, "tiny", **over).to(DTYPES[dtype])
+    for n, p in model.named_parameters():
+        if n in freeze:
+            p.requires_grad_(False)
+    return model
 
 
 def make_batch(name: str, step: int, rank: int, batch: int = 2, seed: int = 0):
@@ -31,7 +35,7 @@ def adamw(params):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = ()):
+def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = (), micro: int = 1):
     """Single-process eager training: each step averages the gradients of ws micro-batches (DDP).
 
     Runs single-threaded like the pool's ranks: CPU kernels reduce in an order that depends on the
@@ -41,39 +45,48 @@ def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = ()):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(name, dtype, ws, steps, over)
+        return _reference(name, dtype, ws, steps, over, micro)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(name, dtype, ws, steps, over):
+def _reference(name, dtype, ws, steps, over, micro):
     model = make_model(name, dtype, **dict(over))
-    opt = adamw(list(model.named_parameters()))
+    train = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = adamw(train)
     losses = []
     for s in range(steps):
-        acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        acc = {n: torch.zeros_like(p) for n, p in train}
         tot = 0.0
         for r in range(ws):
-            loss = model(*make_batch(name, s, r))
-            grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-            for (n, _), g in zip(model.named_parameters(), grads):
-                if g is not None:
-                    acc[n] += g
-            tot += loss.item()
-        for n, p in model.named_parameters():
-            p.grad = acc[n] / ws
+            for m in range(micro):
+                loss = model(*make_batch(name, s * micro + m, r))
+                grads = torch.autograd.grad(loss, [p for _, p in train], allow_unused=True)
+                for (n, _), g in zip(train, grads):
+                    if g is not None:
+                        acc[n] += g
+                tot += loss.item()
+        for n, p in train:
+            p.grad = acc[n] / (ws * micro)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(tot / ws)
+        losses.append(tot / (ws * micro))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None):
-    """Run on every rank of the pool; returns (losses, full_state_dict on rank 0, job summary)."""
-    model = make_model(name, dtype, **dict(over))
-    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), compile=compile)
+def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None, micro: int = 1,
+              seed: int | None = None):
+    """Run on every rank of the pool; returns (losses, full_state_dict on rank 0, job summary).
+
+    ``seed=None`` builds the same weights on every rank; ``seed="rank"`` gives each rank other
+    weights (the job must start every rank from rank 0's)."""
     rank = dist.get_rank()
-    losses = [float(job.step(make_batch(name, s, rank))) for s in range(steps)]
+    model = make_model(name, dtype, seed=rank if seed == "rank" else 0, **dict(over))
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), compile=compile)
+    losses = []
+    for s in range(steps):
+        mbs = [make_batch(name, s * micro + m, rank) for m in range(micro)]
+        losses.append(float(job.step(mbs if micro > 1 else mbs[0])))
     sd = job.full_state_dict()
     counts = job.programs()[0].counts()
     return losses, sd, counts
@@ -191,3 +204,44 @@ def hf_run(kind: str, strategy: str, steps: int):
     rank = dist.get_rank()
     losses = [float(job.step(hf_batch(s, rank))) for s in range(steps)]
     return losses, job.full_state_dict()
+
+
+def rel_param_err(sd, ref):
+    return max(((sd[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item() for k in ref)
+
+
+def check(pools, name, strategy, dtype, ws, steps, over=(), compile=None, loss_tol=None, param_tol=None,
+          micro=1, seed=None):
+    """Train on ``ws`` pool ranks and hold losses and final weights to the single-device reference."""
+    ref_losses, ref_sd = reference(name, dtype, ws, steps, over, micro)
+    losses, sd, _ = pools(ws).run(train_run, name, strategy, dtype, steps, over, compile, micro, seed)[0]
+    assert set(sd) == set(ref_sd)
+    dl = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    dp = rel_param_err(sd, ref_sd)
+    assert dl <= loss_tol, f"losses differ by {dl:.3e} (relative) > {loss_tol}"
+    assert dp <= param_tol, f"parameters differ by {dp:.3e} (relative norm) > {param_tol}"
+    # the run actually trained: parameters moved away from their initial values
+    init = make_model(name, dtype, **dict(over)).state_dict()
+    assert rel_param_err(sd, init) > 1e-3
+    return sd, ref_sd
+
+
+def dropout_and_eval(strategy: str):
+    """Dropout on: training runs and differs from a dropout-free run; eval is deterministic."""
+    rank = dist.get_rank()
+    model = make_model("gpt", "fp64", dropout=0.2)
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    batch = make_batch("gpt", 0, rank)
+    e0, e1 = float(job.eval_step(batch)), float(job.eval_step(batch))
+    train = [float(job.step(batch)) for _ in range(3)]
+    return e0, e1, train
+
+
+def eval_and_export(strategy: str, steps: int):
+    rank = dist.get_rank()
+    model = make_model("llama", "fp64")
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    for s in range(steps):
+        job.step(make_batch("llama", s, rank))
+    evals = float(job.eval_step(make_batch("llama", 100 + rank, rank)))  # each rank its own batch
+    return evals, job.full_state_dict()
