@@ -16,14 +16,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, ws: int, port: int, inq, outq) -> None:
+def _worker(rank: int, ws: int, port: int, backend: str, inq, outq) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ws))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=120))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=120))
     while True:
         item = inq.get()
         if item is None:
@@ -43,15 +45,15 @@ class RemoteError(Exception):
 
 
 class Pool:
-    """``ws`` gloo ranks in spawned processes; ``run(fn, ...)`` calls ``fn`` on every rank."""
+    """``ws`` ranks (gloo, or NCCL one GPU each) in spawned processes; ``run(fn, ...)`` calls ``fn`` on every rank."""
 
-    def __init__(self, ws: int):
+    def __init__(self, ws: int, backend: str = "gloo"):
         self.ws = ws
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.inqs = [ctx.Queue() for _ in range(ws)]
         self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, ws, port, self.inqs[r], self.outq), daemon=True) for r in range(ws)]
+        self.procs = [ctx.Process(target=_worker, args=(r, ws, port, backend, self.inqs[r], self.outq), daemon=True) for r in range(ws)]
         for p in self.procs:
             p.start()
 
