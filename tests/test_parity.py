@@ -1,6 +1,7 @@
 """Parity of every strategy with single-device training (DESIGN.md invariant 1)."""
 
 import pytest
+import torch
 
 import harness
 from harness import check
@@ -38,6 +39,10 @@ def test_parity_untied_gpt_zero3(pools):
     check(pools, "gpt", "zero3", "fp64", 2, steps=3, over=(("tie", False),), loss_tol=1e-10, param_tol=1e-10)
 
 
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch<2.13 inductor allocates the CPU flash-attention backward's logsumexp in fp32 for fp64 inputs",
+)
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_parity_inductor(pools, strategy):
     # inductor fuses kernels and reorders reductions, so fp32 rounding differs from eager by design;
