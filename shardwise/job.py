@@ -119,6 +119,7 @@ class Job:
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype if mp.param_dtype is not None else None,
             bucket_bytes=int(bucket_mb * 2**20),
+            stage=self._stage(),
         )
         self._check_model_device()
         self._broadcast_initial_state()
@@ -132,6 +133,12 @@ class Job:
         self.steps = 0
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    def _stage(self) -> str | None:
+        """gloo moves only host tensors reliably: ranks on a GPU over gloo stage collectives on the CPU."""
+        if dist.get_backend(self.group) == "gloo" and self.mesh.device.type != "cpu":
+            return "cpu"
+        return None
 
     def _check_model_device(self):
         devs = {p.device for p in self.model.parameters()} | {b.device for b in self.model.buffers()}

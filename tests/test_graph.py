@@ -123,3 +123,17 @@ def test_ws1_inserts_no_collectives():
     _, cap = captured()
     for s in ["ddp", "zero1", "zero2", "zero3"]:
         assert sum(shard_step(cap, s, ShardContext(1, "g")).counts().values()) == 0
+
+
+def test_host_staging_wraps_every_collective():
+    # gloo ranks sharing a GPU move payloads to the host around each collective; shown here with a
+    # stand-in staging device on a CPU graph (the rewrite only looks at devices, nothing runs)
+    _, cap = captured()
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g", stage="meta"))
+    starts = sw_nodes(prog.gm)
+    assert starts
+    for s in starts:
+        assert s.args[0].target is torch.ops.aten._to_copy.default and s.args[0].kwargs["device"].type == "meta"
+        wait = next(iter(s.users))
+        (back,) = wait.users
+        assert back.target is torch.ops.aten._to_copy.default and back.kwargs["device"].type == "cpu"

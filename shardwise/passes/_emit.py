@@ -74,14 +74,23 @@ def reshape(g: fx.Graph, x: fx.Node, shape: Iterable[int]) -> fx.Node:
     return _fn(g, aten.view.default, (contiguous(g, x), shape), _fake_like(shape, v.dtype, v.device))
 
 
-def _collective(g, target, args, out_shape, dtype, device, sw: dict) -> fx.Node:
+def _collective(g, target, args, out_shape, dtype, device, sw: dict, stage: str | None = None) -> fx.Node:
+    """Start + wait. With ``stage`` (e.g. "cpu") the payload is copied there and back around the
+    collective: gloo ranks sharing one GPU need host tensors for all-gather and reduce-scatter."""
+    if stage is not None and torch.device(stage) != torch.device(device):
+        x = args[0]
+        v = val(x)
+        host = _fn(g, aten._to_copy.default, (x,), _fake_like(v.shape, v.dtype, stage), device=torch.device(stage))
+        out = _collective(g, target, (host, *args[1:]), out_shape, dtype, stage, sw)
+        return _fn(g, aten._to_copy.default, (out,), _fake_like(out_shape, dtype, device), device=device)
     start = _fn(g, target, args, _fake_like(out_shape, dtype, device))
     start.meta["sw"] = sw
     return _fn(g, c10d.wait_tensor.default, (start,), _fake_like(out_shape, dtype, device))
 
 
 def all_gather(
-    g: fx.Graph, shard: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, phase: str = "fwd"
+    g: fx.Graph, shard: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, phase: str = "fwd",
+    stage: str | None = None,
 ) -> fx.Node:
     """Full parameter (``layout.shape``) from this rank's padded ``Shard(0)`` piece."""
     v = val(shard)
@@ -91,7 +100,7 @@ def all_gather(
     sw = dict(kind="all_gather", bytes=ring_bytes("all_gather", nbytes, layout.ws), param=param, phase=phase)
     out = _collective(
         g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ws, group), layout.padded_shape,
-        v.dtype, v.device, sw,
+        v.dtype, v.device, sw, stage,
     )
     if layout.pad_rows:
         rows = layout.shape2[0]
@@ -100,7 +109,8 @@ def all_gather(
 
 
 def reduce_scatter(
-    g: fx.Graph, full: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, op: str = "avg"
+    g: fx.Graph, full: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, op: str = "avg",
+    stage: str | None = None,
 ) -> fx.Node:
     """This rank's ``Shard(0)`` piece of the ``op``-reduction of ``full`` over the group."""
     v = val(full)
@@ -114,12 +124,13 @@ def reduce_scatter(
     sw = dict(kind="reduce_scatter", bytes=ring_bytes("reduce_scatter", nbytes, layout.ws), param=param, phase="bwd")
     return _collective(
         g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ws, group), layout.local_shape,
-        v.dtype, v.device, sw,
+        v.dtype, v.device, sw, stage,
     )
 
 
 def all_reduce_many(
-    g: fx.Graph, xs: list[fx.Node], ws: int, group: str, *, op: str = "avg", phase: str = "bwd", params=None
+    g: fx.Graph, xs: list[fx.Node], ws: int, group: str, *, op: str = "avg", phase: str = "bwd", params=None,
+    stage: str | None = None,
 ) -> list[fx.Node]:
     """All-reduce several same-dtype tensors as one flat bucket; returns the reduced tensors."""
     if ws == 1:
@@ -131,7 +142,7 @@ def all_reduce_many(
     total = sum(sizes)
     flat = flats[0] if len(flats) == 1 else _fn(g, aten.cat.default, (flats,), _fake_like([total], dtype, device))
     sw = dict(kind="all_reduce", bytes=ring_bytes("all_reduce", total * dtype.itemsize, ws), param=params, phase=phase)
-    red = _collective(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, sw)
+    red = _collective(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, sw, stage)
     if len(xs) == 1:
         return [reshape(g, red, vs[0].shape)]
     parts = _fn(g, aten.split_with_sizes.default, (red, sizes))

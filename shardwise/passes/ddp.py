@@ -38,7 +38,7 @@ def apply(cap: Capture, gm, ctx: ShardContext) -> Program:
         last = max((cast_grads[i] for i in b), key=order.__getitem__)
         with g.inserting_before(last.next):
             outs = _emit.all_reduce_many(
-                g, [cast_grads[i] for i in b], ctx.ws, ctx.group, op="avg", params=[names[i] for i in b]
+                g, [cast_grads[i] for i in b], ctx.ws, ctx.group, op="avg", params=[names[i] for i in b], stage=ctx.stage
             )
         for i, o in zip(b, outs):
             reduced[i] = o

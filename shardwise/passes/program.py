@@ -28,6 +28,8 @@ class ShardContext:
     """dtype of the master weights the optimizer updates when ``param_dtype`` is set."""
     bucket_bytes: int = 25 * 2**20
     """Largest all-reduce bucket (ddp)."""
+    stage: str | None = None
+    """Device to stage collective payloads on (``"cpu"`` for gloo ranks whose tensors are on a GPU)."""
 
 
 @dataclass
@@ -98,7 +100,7 @@ def average_loss(gm: fx.GraphModule, ctx: ShardContext) -> None:
         return
     with g.inserting_before(out):
         flat = _emit.reshape(g, loss, [1])
-        (red,) = _emit.all_reduce_many(g, [flat], ctx.ws, ctx.group, op="avg", phase="fwd")
+        (red,) = _emit.all_reduce_many(g, [flat], ctx.ws, ctx.group, op="avg", phase="fwd", stage=ctx.stage)
         new = _emit.reshape(g, red, [])
     outs = list(out.args[0])
     outs[0] = new

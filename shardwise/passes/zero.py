@@ -60,7 +60,7 @@ def _reduce_scatter_grads(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, l
         with g.inserting_before(gn.next):
             c = _emit.cast(g, gn, ctx.reduce_dtype)
         with g.inserting_before(c.next):
-            out.append(_emit.reduce_scatter(g, c, layouts[name], ctx.group, param=name))
+            out.append(_emit.reduce_scatter(g, c, layouts[name], ctx.group, param=name, stage=ctx.stage))
     return out
 
 
@@ -109,7 +109,7 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
     def gather(ph: fx.Node, before: fx.Node, phase: str) -> fx.Node:
         with g.inserting_before(before):
             s = _emit.cast(g, ph, compute[ph])
-            return _emit.all_gather(g, s, layouts[params[ph]], ctx.group, param=params[ph], phase=phase)
+            return _emit.all_gather(g, s, layouts[params[ph]], ctx.group, param=params[ph], phase=phase, stage=ctx.stage)
 
     # placeholders enter as shards (in the master dtype under mixed precision)
     for ph, name in params.items():

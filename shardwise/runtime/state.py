@@ -132,7 +132,12 @@ class ShardedState:
             sent += (ws - 1) * shard.numel() * shard.element_size()
             if ws == 1:
                 full.copy_(lay.unshard(shard))
-            elif lay.pad_rows == 0 and full.is_contiguous() and full.numel() * full.element_size() >= IN_PLACE_BYTES:
+            elif (
+                lay.pad_rows == 0
+                and full.is_contiguous()
+                and full.numel() * full.element_size() >= IN_PLACE_BYTES
+                and not _host_staged(group, full)
+            ):
                 c10d.wait_tensor(c10d.all_gather_into_tensor_out(shard, ws, group.group_name, out=full.view(lay.padded_shape)))
             else:
                 by_dtype.setdefault(full.dtype, []).append(n)
@@ -159,9 +164,17 @@ class ShardedState:
         return lay.unshard(_all_gather(shard.contiguous(), ws, group))
 
 
+def _host_staged(group: dist.ProcessGroup, x: torch.Tensor) -> bool:
+    return dist.get_backend(group) == "gloo" and x.device.type != "cpu"
+
+
 def _all_gather(x: torch.Tensor, ws: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenation along dim 0 of ``x`` from every rank (functional collective, waited)."""
+    """Concatenation along dim 0 of ``x`` from every rank (functional collective, waited).
+
+    gloo ranks whose tensors are on a GPU gather through host copies."""
     c10d = torch.ops._c10d_functional
+    if _host_staged(group, x):
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x.cpu(), ws, group.group_name)).to(x.device)
     return c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, group.group_name))
 
 
