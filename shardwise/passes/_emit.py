@@ -47,23 +47,34 @@ def _fn(g: fx.Graph, target, args, like: torch.Tensor | None = None, **kwargs) -
     return n
 
 
-def _fake_like(shape, dtype, device) -> torch.Tensor:
-    # meta tensors stand in for shapes/dtypes of new nodes (read by the passes, not by execution)
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+_FAKE = None
+
+
+def fake(shape, dtype, device) -> torch.Tensor:
+    """A fake tensor recording the shape, dtype and device of a new node (read by passes, never run)."""
+    global _FAKE
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if _FAKE is None:
+        _FAKE = FakeTensorMode(allow_non_fake_inputs=True)
+    with _FAKE:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
 
 
 def cast(g: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
     if dtype is None or val(x).dtype == dtype:
         return x
     v = val(x)
-    return _fn(g, aten._to_copy.default, (x,), _fake_like(v.shape, dtype, v.device), dtype=dtype)
+    return _fn(g, aten._to_copy.default, (x,), fake(v.shape, dtype, v.device), dtype=dtype)
 
 
 def contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
     v = val(x)
     if v.is_contiguous():
         return x
-    return _fn(g, aten.clone.default, (x,), _fake_like(v.shape, v.dtype, v.device), memory_format=torch.contiguous_format)
+    return _fn(g, aten.clone.default, (x,), fake(v.shape, v.dtype, v.device), memory_format=torch.contiguous_format)
 
 
 def reshape(g: fx.Graph, x: fx.Node, shape: Iterable[int]) -> fx.Node:
@@ -71,7 +82,7 @@ def reshape(g: fx.Graph, x: fx.Node, shape: Iterable[int]) -> fx.Node:
     v = val(x)
     if list(v.shape) == shape:
         return x
-    return _fn(g, aten.view.default, (contiguous(g, x), shape), _fake_like(shape, v.dtype, v.device))
+    return _fn(g, aten.view.default, (contiguous(g, x), shape), fake(shape, v.dtype, v.device))
 
 
 def _collective(g, target, args, out_shape, dtype, device, sw: dict, stage: str | None = None) -> fx.Node:
@@ -80,12 +91,12 @@ def _collective(g, target, args, out_shape, dtype, device, sw: dict, stage: str 
     if stage is not None and torch.device(stage) != torch.device(device):
         x = args[0]
         v = val(x)
-        host = _fn(g, aten._to_copy.default, (x,), _fake_like(v.shape, v.dtype, stage), device=torch.device(stage))
+        host = _fn(g, aten._to_copy.default, (x,), fake(v.shape, v.dtype, stage), device=torch.device(stage))
         out = _collective(g, target, (host, *args[1:]), out_shape, dtype, stage, sw)
-        return _fn(g, aten._to_copy.default, (out,), _fake_like(out_shape, dtype, device), device=device)
-    start = _fn(g, target, args, _fake_like(out_shape, dtype, device))
+        return _fn(g, aten._to_copy.default, (out,), fake(out_shape, dtype, device), device=device)
+    start = _fn(g, target, args, fake(out_shape, dtype, device))
     start.meta["sw"] = sw
-    return _fn(g, c10d.wait_tensor.default, (start,), _fake_like(out_shape, dtype, device))
+    return _fn(g, c10d.wait_tensor.default, (start,), fake(out_shape, dtype, device))
 
 
 def all_gather(
@@ -104,7 +115,7 @@ def all_gather(
     )
     if layout.pad_rows:
         rows = layout.shape2[0]
-        out = _fn(g, aten.slice.Tensor, (out, 0, 0, rows), _fake_like((rows, *layout.shape2[1:]), v.dtype, v.device))
+        out = _fn(g, aten.slice.Tensor, (out, 0, 0, rows), fake((rows, *layout.shape2[1:]), v.dtype, v.device))
     return reshape(g, out, layout.shape)
 
 
@@ -119,7 +130,7 @@ def reduce_scatter(
         return x
     if layout.pad_rows:
         pad = [0, 0] * (len(layout.shape2) - 1) + [0, layout.pad_rows]
-        x = _fn(g, aten.constant_pad_nd.default, (x, pad, 0.0), _fake_like(layout.padded_shape, v.dtype, v.device))
+        x = _fn(g, aten.constant_pad_nd.default, (x, pad, 0.0), fake(layout.padded_shape, v.dtype, v.device))
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
     sw = dict(kind="reduce_scatter", bytes=ring_bytes("reduce_scatter", nbytes, layout.ws), param=param, phase="bwd")
     return _collective(
@@ -140,7 +151,7 @@ def all_reduce_many(
     sizes = [v.numel() for v in vs]
     flats = [reshape(g, x, [n]) for x, n in zip(xs, sizes)]
     total = sum(sizes)
-    flat = flats[0] if len(flats) == 1 else _fn(g, aten.cat.default, (flats,), _fake_like([total], dtype, device))
+    flat = flats[0] if len(flats) == 1 else _fn(g, aten.cat.default, (flats,), fake([total], dtype, device))
     sw = dict(kind="all_reduce", bytes=ring_bytes("all_reduce", total * dtype.itemsize, ws), param=params, phase=phase)
     red = _collective(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, sw, stage)
     if len(xs) == 1:
@@ -148,7 +159,7 @@ def all_reduce_many(
     parts = _fn(g, aten.split_with_sizes.default, (red, sizes))
     outs = []
     for i, (v, n) in enumerate(zip(vs, sizes)):
-        piece = _fn(g, operator.getitem, (parts, i), _fake_like([n], dtype, device))
+        piece = _fn(g, operator.getitem, (parts, i), fake([n], dtype, device))
         outs.append(reshape(g, piece, v.shape))
     return outs
 

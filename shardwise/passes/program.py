@@ -83,7 +83,7 @@ def cast_placeholders(gm: fx.GraphModule, phs: list[fx.Node], store_dtype: torch
         if not v.is_floating_point() or v.dtype == store_dtype:
             continue
         compute = v.dtype
-        ph.meta["val"] = torch.empty(v.shape, dtype=store_dtype, device="meta")
+        ph.meta["val"] = _emit.fake(v.shape, store_dtype, v.device)
         first = next(iter(ph.users), None)
         if first is None:
             continue

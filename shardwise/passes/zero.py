@@ -113,7 +113,7 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
 
     # placeholders enter as shards (in the master dtype under mixed precision)
     for ph, name in params.items():
-        ph.meta["val"] = torch.empty(layouts[name].local_shape, dtype=store[ph], device="meta")
+        ph.meta["val"] = _emit.fake(layouts[name].local_shape, store[ph], ph.meta["val"].device)
 
     # backward first, on the original links: every backward read of a parameter or of a forward
     # view/cast chain of it is redirected to a copy of that chain on a backward gather
