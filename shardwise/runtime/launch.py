@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Callable
 
 import torch.multiprocessing as mp
@@ -27,6 +28,12 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     fn(*args)
+    # The work is done and flushed; leave without running interpreter teardown, where gloo's
+    # threads were seen to abort a finished rank now and then ("terminate called without an
+    # active exception"), which spawn would report as a failed job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, nproc: int, *args) -> None:
