@@ -35,7 +35,7 @@ def adamw(params):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = (), micro: int = 1):
+def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = (), micro: int = 1, device: str = "cpu"):
     """Single-process eager training: each step averages the gradients of ws micro-batches (DDP).
 
     Runs single-threaded like the pool's ranks: CPU kernels reduce in an order that depends on the
@@ -45,13 +45,13 @@ def reference(name: str, dtype: str, ws: int, steps: int, over: tuple = (), micr
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(name, dtype, ws, steps, over, micro)
+        return _reference(name, dtype, ws, steps, over, micro, device)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference(name, dtype, ws, steps, over, micro):
-    model = make_model(name, dtype, **dict(over))
+def _reference(name, dtype, ws, steps, over, micro, device):
+    model = make_model(name, dtype, **dict(over)).to(device)
     train = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = adamw(train)
     losses = []
@@ -60,7 +60,7 @@ def _reference(name, dtype, ws, steps, over, micro):
         tot = 0.0
         for r in range(ws):
             for m in range(micro):
-                loss = model(*make_batch(name, s * micro + m, r))
+                loss = model(*(t.to(device) for t in make_batch(name, s * micro + m, r)))
                 grads = torch.autograd.grad(loss, [p for _, p in train], allow_unused=True)
                 for (n, _), g in zip(train, grads):
                     if g is not None:
@@ -71,7 +71,7 @@ def _reference(name, dtype, ws, steps, over, micro):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(tot / (ws * micro))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None, micro: int = 1,
@@ -211,9 +211,9 @@ def rel_param_err(sd, ref):
 
 
 def check(pools, name, strategy, dtype, ws, steps, over=(), compile=None, loss_tol=None, param_tol=None,
-          micro=1, seed=None, device="cpu", backend="gloo"):
-    """Train on ``ws`` pool ranks and hold losses and final weights to the single-device reference (CPU)."""
-    ref_losses, ref_sd = reference(name, dtype, ws, steps, over, micro)
+          micro=1, seed=None, device="cpu", backend="gloo", ref_device="cpu"):
+    """Train on ``ws`` pool ranks and hold losses and final weights to the single-device reference."""
+    ref_losses, ref_sd = reference(name, dtype, ws, steps, over, micro, ref_device)
     pool = pools(ws, backend)
     losses, sd, _ = pool.run(train_run, name, strategy, dtype, steps, over, compile, micro, seed, device)[0]
     assert set(sd) == set(ref_sd)
