@@ -44,15 +44,8 @@ class MixedPrecision:
         object.__setattr__(self, "reduce_dtype", _dtype(self.reduce_dtype, "reduce_dtype"))
 
 
-class CompileOptions:
-    """Which executor runs the rewritten graph: ``None`` (FX GraphModule) or ``"inductor"``."""
-
-    CHOICES = (None, "fx", "inductor")
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not supported: choose one of {choices}")
+EXECUTORS = (None, "fx", "inductor")
+"""What runs the rewritten graph: the FX GraphModule (None or "fx"), or inductor's compiled code."""
 
 
 def compile(
@@ -84,7 +77,8 @@ def compile(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    _check_choice("compile", compile, CompileOptions.CHOICES)
+    if compile not in EXECUTORS:
+        raise ValueError(f"compile={compile!r} is not supported: choose one of {EXECUTORS}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is None:

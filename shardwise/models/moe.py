@@ -13,31 +13,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .llama import Llama, LlamaBlock
+from .llama import Llama, LlamaBlock, LlamaConfig
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    vocab: int = 256
-    """Vocabulary size."""
-    seq: int = 64
-    """Maximum sequence length."""
-    d_model: int = 128
-    """Hidden size."""
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Query heads."""
-    n_kv_head: int = 2
-    """Key/value heads."""
-    ffn: int = 128
-    """Hidden size of each expert."""
+class MoEConfig(LlamaConfig):
+    """A Llama config whose FFN is a mixture of experts; ``ffn`` is each expert's hidden size."""
+
     n_expert: int = 4
     """Number of experts."""
     top_k: int = 2
     """Experts per token."""
-    checkpoint: bool = False
-    """Wrap each block in non-reentrant torch.utils.checkpoint."""
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.n_expert:
