@@ -181,16 +181,25 @@ class Job:
         self._agree(sig, "batch")
         key = (sig, train)
         if key not in self._programs:
-            cap = capture_step(
-                self.model,
-                batch,
-                loss_fn=self.loss_fn,
-                param_dtype=self.mp.param_dtype,
-                train=train,
-                with_grads=train,
-                device=self.mesh.device,
-            )
-            prog = shard_step(cap, self.strategy, self.ctx)
+            try:
+                cap = capture_step(
+                    self.model,
+                    batch,
+                    loss_fn=self.loss_fn,
+                    param_dtype=self.mp.param_dtype,
+                    train=train,
+                    with_grads=train,
+                    device=self.mesh.device,
+                )
+                prog = shard_step(cap, self.strategy, self.ctx)
+            except Exception as e:
+                # tell the other ranks before raising, so that none waits for this one in a collective;
+                # this rank's own error says more than the disagreement, so it is the one raised here
+                try:
+                    self._agree(f"compile error on this rank: {type(e).__name__}: {e}", "graph")
+                except RuntimeError:
+                    pass
+                raise
             code_hash = hashlib.sha256(prog.gm.code.encode()).hexdigest()
             self._agree(f"graph {code_hash}", "graph")
             self._programs[key] = (prog, self._executor(prog))

@@ -246,3 +246,23 @@ def eval_and_export(strategy: str, steps: int):
         job.step(make_batch("llama", s, rank))
     evals = float(job.eval_step(make_batch("llama", 100 + rank, rank)))  # each rank its own batch
     return evals, job.full_state_dict()
+
+
+class RankDependent(torch.nn.Module):
+    """A model whose graph differs on rank 1 (or fails to trace there): ranks must all stop."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.fail = fail
+
+    def forward(self, x):
+        y = self.lin(x)
+        if dist.get_rank() == 1:
+            y = y[y > 0] if self.fail else y * 2
+        return y.pow(2).mean()
+
+
+def rank_dependent_graph(fail: bool):
+    job = sw.compile(RankDependent(fail), optimizer=adamw, strategy="zero3", mesh=sw.mesh())
+    job.step(torch.ones(2, 4))

@@ -53,6 +53,19 @@ def test_batch_shapes_differ_across_ranks(pools):
         assert "ranks [0]" in val[1] and "ranks [1]" in val[1]  # says who holds what
 
 
+def test_graphs_that_differ_across_ranks_stop_every_rank(pools):
+    res = pools(2).run_all(harness.rank_dependent_graph, False, timeout=120)
+    for ok, val in res:
+        assert not ok and val[0] == "RuntimeError", val
+        assert "the compiled graph differs across ranks" in val[1] and "ranks [0]" in val[1] and "ranks [1]" in val[1]
+
+
+def test_a_compile_error_on_one_rank_stops_every_rank(pools):
+    res = pools(2).run_all(harness.rank_dependent_graph, True, timeout=120)
+    assert not res[1][0] and res[1][1][0] == "CaptureError"  # the rank that failed says why
+    assert not res[0][0] and "compile error on this rank: CaptureError" in res[0][1][1]  # the other one hears it
+
+
 class NonzeroRouting(nn.Module):
     """Data-dependent shapes: not traceable to one static graph."""
 
