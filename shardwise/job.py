@@ -56,14 +56,17 @@ def compile(
     *,
     loss_fn: Callable | None = None,
     mixed_precision: MixedPrecision | None = None,
+    clip_grad_norm: float | None = None,
     compile: str | None = None,
     bucket_mb: float = 25.0,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 
     ``optimizer`` is a factory called with ``(name, tensor)`` pairs of this rank's trainable state
-    (shards under zero1-3), like ``model.named_parameters()`` yields them. The model's forward must
-    return the loss (a scalar, or an object with ``.loss``), or pass ``loss_fn(outputs, batch)``.
+    (shards under zero1-3), like ``model.named_parameters()`` yields them, so groups can be built by
+    name. The model's forward must return the loss (a scalar, or an object with ``.loss``), or pass
+    ``loss_fn(outputs, batch)``. ``clip_grad_norm`` clips the global gradient norm (over every shard
+    on every rank) as ``torch.nn.utils.clip_grad_norm_`` does on one device.
 
     Example::
 
@@ -88,15 +91,18 @@ def compile(
             "optimizer= takes a factory, not an optimizer built on the full parameters: "
             "pass e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
         )
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"clip_grad_norm must be a positive number (or None for no clipping), got {clip_grad_norm!r}")
     if mesh is None:
         mesh = make_mesh()
-    return Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb)
+    return Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
+               clip_grad_norm)
 
 
 class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
-    def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb):
+    def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -123,7 +129,9 @@ class Job:
         self.optimizer = self.state.optimizer
         self.buffers = dict(model.named_buffers())
         self._programs: dict[tuple, tuple[Program, Callable]] = {}
+        self.clip_grad_norm = clip_grad_norm
         self.last_comm_bytes = 0
+        self.last_grad_norm: torch.Tensor | None = None
         self.steps = 0
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -175,11 +183,13 @@ class Job:
             )
         raise RuntimeError(f"the compiled {what} differs across ranks ({detail}); every rank must compile the same plan")
 
-    def _program(self, batch, train: bool) -> tuple[Program, Callable]:
+    def _program(self, batch, mode: str) -> tuple[Program, Callable]:
+        """The compiled program for this batch's signature; ``mode`` is ``eval`` or one of passes.MODES."""
         tensors, consts, spec = flatten_batch(batch)
         sig = batch_signature(spec, consts, tensors)
         self._agree(sig, "batch")
-        key = (sig, train)
+        key = (sig, mode)
+        train = mode != "eval"
         if key not in self._programs:
             try:
                 cap = capture_step(
@@ -191,7 +201,7 @@ class Job:
                     with_grads=train,
                     device=self.mesh.device,
                 )
-                prog = shard_step(cap, self.strategy, self.ctx)
+                prog = shard_step(cap, self.strategy, self.ctx, "step" if mode == "eval" else mode)
             except Exception as e:
                 # tell the other ranks before raising, so that none waits for this one in a collective;
                 # this rank's own error says more than the disagreement, so it is the one raised here
@@ -219,6 +229,14 @@ class Job:
 
     # -- running --------------------------------------------------------------------------------
 
+    def _run(self, mode: str, batch, extra: list[torch.Tensor] = ()) -> list[torch.Tensor]:
+        prog, run = self._program(batch, mode)
+        tensors, _, _ = flatten_batch(batch)
+        with torch.no_grad():
+            outs = run(*self._inputs(prog, tensors), *extra)
+        self.last_comm_bytes += prog.comm_bytes()
+        return outs
+
     def step(self, batch) -> torch.Tensor:
         """One optimizer step. ``batch`` is passed to the model as ``model(**batch)`` / ``model(*batch)``;
         a list of batches is a list of micro-batches whose gradients are averaged before the step.
@@ -226,39 +244,46 @@ class Job:
         micro = batch if isinstance(batch, list) else [batch]
         if not micro:
             raise ValueError("step([]) got no micro-batches")
+        k = len(micro)
         t0 = time.perf_counter()
-        grads: dict[str, torch.Tensor] = {}
-        losses = []
-        comm = 0
-        for mb in micro:
-            prog, run = self._program(mb, train=True)
-            tensors, _, _ = flatten_batch(mb)
-            with torch.no_grad():
-                outs = run(*self._inputs(prog, tensors))
-            losses.append(outs[0])
-            for name, g in zip(prog.capture.grad_names, outs[1:]):
-                grads[name] = g if name not in grads else grads[name].add_(g)
-            comm += prog.comm_bytes()
-        if len(micro) > 1:
-            for g in grads.values():
-                g.div_(len(micro))
+        self.last_comm_bytes = 0
+        if k > 1 and self.strategy in ("ddp", "zero1"):
+            # whole gradients summed locally; one reduction, in the last micro-batch's program
+            sums: list[torch.Tensor] | None = None
+            loss_sum = None
+            for mb in micro[:-1]:
+                outs = self._run("local", mb)
+                loss_sum = outs[0] if loss_sum is None else loss_sum.add_(outs[0])
+                sums = list(outs[1:]) if sums is None else [s.add_(g) for s, g in zip(sums, outs[1:])]
+            outs = self._run("last", micro[-1], [*sums, loss_sum])
+            loss, grad_list = outs[0], list(outs[1:])
+        else:
+            # one reduced program per micro-batch; zero2/zero3 accumulate shards only
+            loss, grad_list = None, None
+            for mb in micro:
+                outs = self._run("step", mb)
+                loss = outs[0] if loss is None else loss.add_(outs[0])
+                grad_list = list(outs[1:]) if grad_list is None else [s.add_(g) for s, g in zip(grad_list, outs[1:])]
+        if k > 1:
+            loss = loss / k
+            for g in grad_list:
+                g.div_(k)
+        grads = dict(zip(self.state.grad_names, grad_list))
+        self.last_grad_norm = None
+        if self.clip_grad_norm is not None:
+            self.last_grad_norm, sent = self.state.clip_grad_norm_(grads, self.clip_grad_norm, self.group, self.ws)
+            self.last_comm_bytes += sent
         self.state.set_grads(grads)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        comm += self.state.sync_full_from_master(self.group, self.ws)
-        self.last_comm_bytes = comm
+        self.last_comm_bytes += self.state.sync_full_from_master(self.group, self.ws)
         self.last_step_s = time.perf_counter() - t0
         self.steps += 1
-        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         return loss.detach()
 
     def eval_step(self, batch) -> torch.Tensor:
         """Forward only, in eval mode (dropout off): the loss averaged over data-parallel ranks."""
-        prog, run = self._program(batch, train=False)
-        tensors, _, _ = flatten_batch(batch)
-        with torch.no_grad():
-            outs = run(*self._inputs(prog, tensors))
-        return outs[0].detach()
+        return self._run("eval", batch)[0].detach()
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's weights and persistent buffers, keyed as ``model.state_dict()``.

@@ -266,3 +266,64 @@ class RankDependent(torch.nn.Module):
 def rank_dependent_graph(fail: bool):
     job = sw.compile(RankDependent(fail), optimizer=adamw, strategy="zero3", mesh=sw.mesh())
     job.step(torch.ones(2, 4))
+
+
+# -- the training loop of issue 3: accumulation, clipping, schedule, groups, eval, export ----------
+
+LOOP = dict(micro=4, clip=0.3, warmup=2)
+
+
+def loop_opt(named):
+    from shardwise.recipes import adamw_groups
+
+    return adamw_groups(named, lr=LR, weight_decay=0.1)
+
+
+@functools.lru_cache(maxsize=None)
+def loop_reference(name: str, dtype: str, ws: int, steps: int):
+    """Single device: ws*micro micro-batches averaged, clip_grad_norm_, cosine warm-up, two groups."""
+    from shardwise.recipes import cosine_with_warmup
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model(name, dtype)
+        opt = loop_opt(model.named_parameters())
+        sched = cosine_with_warmup(opt, LOOP["warmup"], steps)
+        losses, norms = [], []
+        k = LOOP["micro"]
+        for s in range(steps):
+            tot = 0.0
+            for r in range(ws):
+                for m in range(k):
+                    loss = model(*make_batch(name, s * k + m, r)) / (ws * k)
+                    loss.backward()
+                    tot += loss.item()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), LOOP["clip"])))
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(tot)
+        model.eval()
+        with torch.no_grad():
+            ev = sum(float(model(*make_batch(name, 10_000 + r, r))) for r in range(ws)) / ws
+        return losses, norms, ev, {k_: v.detach().clone() for k_, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def loop_run(name: str, strategy: str, dtype: str, steps: int):
+    from shardwise.recipes import cosine_with_warmup
+
+    rank = dist.get_rank()
+    model = make_model(name, dtype)
+    job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=sw.mesh(), clip_grad_norm=LOOP["clip"])
+    sched = cosine_with_warmup(job.optimizer, LOOP["warmup"], steps)
+    k = LOOP["micro"]
+    losses, norms = [], []
+    for s in range(steps):
+        losses.append(float(job.step([make_batch(name, s * k + m, rank) for m in range(k)])))
+        norms.append(float(job.last_grad_norm))
+        sched.step()
+    ev = float(job.eval_step(make_batch(name, 10_000 + rank, rank)))
+    return losses, norms, ev, job.full_state_dict()

@@ -81,6 +81,7 @@ class ShardedState:
         if not opt_tensors:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.opt_tensors = dict(opt_tensors)
+        self.grad_names = [n for n in self.names if self.trainable[n]]
         self.optimizer = optimizer_factory(opt_tensors)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -110,6 +111,31 @@ class ShardedState:
         for n, g in grads.items():
             t = self.opt_tensors[n]
             t.grad = g if g.dtype == t.dtype else g.to(t.dtype)
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, grads: dict[str, torch.Tensor], max_norm: float, group: dist.ProcessGroup, ws: int
+    ) -> tuple[torch.Tensor, int]:
+        """Scale gradients so that their global 2-norm is at most ``max_norm``; returns (norm, bytes sent).
+
+        Whole gradients (ddp) are the same on every rank: the norm is local. Shards need one
+        all-reduce of this rank's sum of squares (padding rows are zero and add nothing). The
+        scale is ``torch.nn.utils.clip_grad_norm_``'s: ``min(1, max_norm / (norm + 1e-6))``.
+        """
+        gs = list(grads.values())
+        if self.strategy == "ddp" or ws == 1:
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
+            sent = 0
+        else:
+            sq = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in gs]).sum().reshape(1)
+            c10d = torch.ops._c10d_functional
+            host = _host_staged(group, sq)
+            red = c10d.wait_tensor(c10d.all_reduce(sq.cpu() if host else sq, "sum", group.group_name))
+            total = red.to(sq.device).reshape(()).sqrt()
+            sent = 2 * (ws - 1) * sq.element_size() // ws
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(gs, coef.to(gs[0].dtype))
+        return total, sent
 
     @torch.no_grad()
     def sync_full_from_master(self, group: dist.ProcessGroup, ws: int) -> int:
