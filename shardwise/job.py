@@ -217,7 +217,7 @@ class Job:
 
     def _executor(self, prog: Program) -> Callable:
         if self.compile_mode != "inductor":
-            return prog.gm
+            return prog.gm.forward  # plain call: no module hooks (MemTracker counts module calls)
         from .runtime.inductor import compile_graph
 
         return compile_graph(prog.gm)
@@ -237,6 +237,12 @@ class Job:
         self.last_comm_bytes += prog.comm_bytes()
         return outs
 
+    def _accumulators(self, batch, mode: str, n: int) -> list[torch.Tensor]:
+        """Zeroed running sums shaped and typed as the last ``n`` inputs of the ``mode`` program."""
+        prog, _ = self._program(batch, mode)
+        phs = prog.gm.graph.find_nodes(op="placeholder")[-n:]
+        return [torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype, device=self.mesh.device) for p in phs]
+
     def step(self, batch) -> torch.Tensor:
         """One optimizer step. ``batch`` is passed to the model as ``model(**batch)`` / ``model(*batch)``;
         a list of batches is a list of micro-batches whose gradients are averaged before the step.
@@ -248,22 +254,22 @@ class Job:
         t0 = time.perf_counter()
         self.last_comm_bytes = 0
         if k > 1 and self.strategy in ("ddp", "zero1"):
-            # whole gradients summed locally; one reduction, in the last micro-batch's program
-            sums: list[torch.Tensor] | None = None
-            loss_sum = None
+            # whole gradients summed locally (in place, in the graph); one reduction, in the last
+            # micro-batch's program
+            *sums, loss_sum = self._accumulators(micro[0], "local", len(self.state.grad_names) + 1)
             for mb in micro[:-1]:
-                outs = self._run("local", mb)
-                loss_sum = outs[0] if loss_sum is None else loss_sum.add_(outs[0])
-                sums = list(outs[1:]) if sums is None else [s.add_(g) for s, g in zip(sums, outs[1:])]
+                (loss_sum,) = self._run("local", mb, [*sums, loss_sum])
             outs = self._run("last", micro[-1], [*sums, loss_sum])
+            del sums  # the whole sums are dead once reduced: free them before the optimizer step
             loss, grad_list = outs[0], list(outs[1:])
+        elif k > 1:
+            # zero2/zero3: each micro-batch reduce-scatters and adds its shards into the sums
+            grad_list = self._accumulators(micro[0], "acc", len(self.state.grad_names))
+            losses = [self._run("acc", mb, grad_list)[0] for mb in micro]
+            loss = torch.stack(losses).sum()
         else:
-            # one reduced program per micro-batch; zero2/zero3 accumulate shards only
-            loss, grad_list = None, None
-            for mb in micro:
-                outs = self._run("step", mb)
-                loss = outs[0] if loss is None else loss.add_(outs[0])
-                grad_list = list(outs[1:]) if grad_list is None else [s.add_(g) for s, g in zip(grad_list, outs[1:])]
+            outs = self._run("step", micro[0])
+            loss, grad_list = outs[0], list(outs[1:])
         if k > 1:
             loss = loss / k
             for g in grad_list:

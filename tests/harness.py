@@ -327,3 +327,17 @@ def loop_run(name: str, strategy: str, dtype: str, steps: int):
         sched.step()
     ev = float(job.eval_step(make_batch(name, 10_000 + rank, rank)))
     return losses, norms, ev, job.full_state_dict()
+
+
+def accumulation_peak(strategy: str, micro: int = 4):
+    """(peak bytes on this rank during a step of ``micro`` micro-batches, fp32 parameter bytes)."""
+    from shardwise.runtime.memory import measure
+
+    torch.manual_seed(0)
+    model = build("llama", "small")
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    rank = dist.get_rank()
+    mbs = [torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(rank * 10 + m)) for m in range(micro)]
+    job.step([(x, x) for x in mbs])
+    _, peak = measure(job, lambda: job.step([(x, x) for x in mbs]))
+    return peak, sum(p.numel() * 4 for p in model.parameters())

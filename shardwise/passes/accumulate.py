@@ -1,38 +1,45 @@
 """Gradient accumulation for strategies that keep whole gradients (ddp, zero1).
 
-Over ``k`` micro-batches, the first ``k-1`` run a *local* program: no collective at all, whole
-gradients out (in the reduce dtype, so bf16 compute still accumulates in fp32). The last runs the
-strategy's program with the running sums as extra inputs, added to its own gradients (and loss)
-right before they are reduced: one reduction per step, as DDP's ``no_sync`` gives.
+Over ``k`` micro-batches, the first ``k-1`` run a *local* program: no collective at all; each
+gradient is added into a running sum held in the reduce dtype (so bf16 compute still accumulates
+in fp32). The last runs the strategy's program with the sums as extra inputs, added to its own
+gradients (and loss) right before they are reduced: one reduction per step, as DDP's ``no_sync``.
 
-zero2 and zero3 instead reduce-scatter every micro-batch and accumulate shards: they never hold
-a whole gradient, which is the memory difference between zero1 and zero2.
+zero2 and zero3 instead reduce-scatter every micro-batch and add the shard into a running shard
+sum (``into_inputs``): they never hold a whole gradient, which is the memory difference between
+zero1 and zero2.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import torch.fx as fx
 
 from ..capture import Capture
-from . import _emit, ddp
-from .program import Program, ShardContext, parts, set_outputs
+from ..sharding import ShardLayout
+from . import _emit
+from .program import Program, ShardContext, cast_placeholders, finish, input_dtypes, parts, set_outputs
 
 
 def local(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, strategy: str) -> Program:
-    """The step with no collectives: whole gradients in the reduce dtype, this rank's own loss."""
-    # ddp's rewrite on a one-rank axis emits no collective but casts as ddp does; zero1's whole
-    # parameters already enter in the compute dtype, so it casts no placeholder
-    lctx = dataclasses.replace(ctx, ws=1, param_dtype=ctx.param_dtype if strategy == "ddp" else None)
-    prog = ddp.apply(cap, gm, lctx)
-    prog.strategy = f"{strategy}/local"
-    return prog
+    """A micro-batch before the last: no collectives; each gradient is added in place into its
+    running sum (an input, in the reduce dtype) as soon as it is produced, so no whole set of fresh
+    gradients is ever alive beside the sums. Outputs only ``[loss + loss_sum]``."""
+    phs, _, _, _ = parts(gm)
+    if strategy == "ddp" and ctx.param_dtype is not None:
+        # ddp's whole parameters enter as fp32 masters; zero1's already in the compute dtype
+        cast_placeholders(gm, phs[: cap.n_params], ctx.master_dtype)
+    add_accumulators(cap, gm, ctx, inplace=True)
+    layouts = {n: ShardLayout(tuple(s), 1) for n, s in zip(cap.param_names, cap.param_shapes)}
+    return Program(finish(gm), f"{strategy}/local", cap, layouts, "full", "none", input_dtypes=input_dtypes(cap, gm))
 
 
-def add_accumulators(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> None:
-    """Append inputs ``[*grad_sums, loss_sum]`` and add them to the gradients and loss before any reduction."""
+def add_accumulators(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, inplace: bool = False) -> None:
+    """Append inputs ``[*grad_sums, loss_sum]`` and add them to the gradients and the loss.
+
+    ``inplace``: add each gradient into its sum (mutating the input) and output only the loss.
+    Otherwise the sums replace the gradients as outputs, for the strategy pass to reduce.
+    """
     g = gm.graph
     _, _, loss, grads = parts(gm)
     first = next(n for n in g.nodes if n.op != "placeholder")
@@ -46,11 +53,35 @@ def add_accumulators(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Non
         lv = _emit.val(loss)
         loss_ph = g.placeholder("loss_sum")
         loss_ph.meta["val"] = _emit.fake(lv.shape, lv.dtype, lv.device)
+    add = torch.ops.aten.add_.Tensor if inplace else torch.ops.aten.add.Tensor
     new_grads = []
     for gn, ph in zip(grads, sums):
         with g.inserting_before(gn.next):
             c = _emit.cast(g, gn, _emit.val(ph).dtype)
-            new_grads.append(_emit._fn(g, torch.ops.aten.add.Tensor, (ph, c), _emit.val(ph)))
+            new_grads.append(_emit._fn(g, add, (ph, c), _emit.val(ph)))
     with g.inserting_before(loss.next):
         new_loss = _emit._fn(g, torch.ops.aten.add.Tensor, (loss_ph, loss), lv)
-    set_outputs(gm, new_loss, new_grads)
+    set_outputs(gm, new_loss, [] if inplace else new_grads)
+
+
+def into_inputs(prog: Program) -> Program:
+    """zero2/zero3 over several micro-batches: add each reduce-scattered gradient shard in place into
+    a running shard sum (an input) and output only the loss, so no second set of shards is alive."""
+    gm = prog.gm
+    g = gm.graph
+    _, out, loss, shards = parts(gm)
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(first):
+        sums = []
+        for i, sh in enumerate(shards):
+            ph = g.placeholder(f"shard_sum_{i}")
+            ph.meta["val"] = _emit.val(sh)
+            sums.append(ph)
+    for sh, ph in zip(shards, sums):
+        with g.inserting_before(sh.next):
+            _emit._fn(g, torch.ops.aten.add_.Tensor, (ph, sh), _emit.val(ph))
+    set_outputs(gm, loss, [])
+    prog.gm = finish(gm)
+    prog.grad_output = "none"
+    prog.strategy = f"{prog.strategy}/acc"
+    return prog
