@@ -23,7 +23,19 @@ def _train_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step, each of --batch sequences per rank (default 1)")
+    p.add_argument("--clip", type=float, default=None,
+                   help="clip the global gradient norm to this value; the step line shows the norm before clipping")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="cosine: linear warm-up over --warmup steps, then cosine decay to 10%% at --steps")
+    p.add_argument("--warmup", type=int, default=0, help="warm-up steps of the cosine schedule (default 0)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every K steps, the loss on held-out batches (eval mode, no state change); 0: never")
+    p.add_argument("--export", default=None,
+                   help="after training, write the consolidated weights (keys of model.state_dict()) to this "
+                        "file with torch.save, atomically")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32",
                    help="fp32; bf16 = bf16 compute with fp32 master weights and fp32 reduction; fp64")
     p.add_argument("--compile", choices=["fx", "inductor"], default="fx", help="executor of the step graph")
@@ -43,6 +55,27 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def save_atomic(obj, path: str) -> None:
+    """torch.save to a temporary file beside ``path``, then rename: a reader never sees half a file."""
+    import os
+    import tempfile
+
+    import torch
+
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def train_main(args) -> None:
     import torch
     import torch.distributed as dist
@@ -55,6 +88,8 @@ def train_main(args) -> None:
         import os
 
         os.environ["SHARDWISE_BACKEND"] = "gloo"
+    if args.grad_accum < 1:
+        raise SystemExit(f"--grad-accum must be >= 1, got {args.grad_accum}")
     mesh = sw.mesh()
     rank, ws = dist.get_rank(), dist.get_world_size()
     over = {"vocab": 256} if args.data else {}
@@ -67,14 +102,18 @@ def train_main(args) -> None:
         model = model.double()
     model = model.to(mesh.device)
     mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if args.precision == "bf16" else None
+    from shardwise.recipes import adamw_groups, cosine_with_warmup
+
     job = sw.compile(
         model,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1),
+        optimizer=lambda named: adamw_groups(named, lr=args.lr, weight_decay=0.1),
         strategy=args.strategy,
         mesh=mesh,
         mixed_precision=mp,
         compile=args.compile,
+        clip_grad_norm=args.clip,
     )
+    sched = cosine_with_warmup(job.optimizer, args.warmup, args.steps) if args.lr_schedule == "cosine" else None
     if args.data:
         data = ByteFile(args.data, seq, args.batch, rank, ws, args.seed)
     else:
@@ -84,15 +123,20 @@ def train_main(args) -> None:
         print(f"shardwise train: {args.model}/{args.size} ({n / 1e6:.2f} M params) {args.strategy} on {mesh}, "
               f"batch {args.batch}x{seq} per rank, {args.precision}, executor {args.compile}", flush=True)
     peak, peak_step, first = None, None, None
+    k = args.grad_accum
     for step in range(args.steps):
-        x, y = (t.to(mesh.device) for t in data.get(step, rank))
+        micro = [tuple(t.to(mesh.device) for t in data.get(step * k + m, rank)) for m in range(k)]
+        batch = micro if k > 1 else micro[0]
         t0 = time.perf_counter()
         on_cpu = mesh.device.type == "cpu"
         if not on_cpu or step == 1 or (args.mem_every and step % args.mem_every == 0 and step > 0):
-            loss, peak = measure(job, lambda: job.step((x, y)))
+            loss, peak = measure(job, lambda: job.step(batch))
             peak_step = step + 1
         else:
-            loss = job.step((x, y))
+            loss = job.step(batch)
+        lr = job.optimizer.param_groups[0]["lr"]
+        if sched is not None:
+            sched.step()
         loss_v = float(loss)
         dt = time.perf_counter() - t0
         peaks = torch.tensor([peak if peak is not None else -1], dtype=torch.int64)
@@ -103,11 +147,25 @@ def train_main(args) -> None:
         if rank == 0:
             mem = " ".join(_fmt_bytes(int(p)) if int(p) >= 0 else "-" for p in allp)
             mem += "" if peak_step in (None, step + 1) else f" @step {peak_step}"
-            tok_s = args.batch * seq * ws / dt
+            tok_s = args.batch * seq * ws * k / dt
+            extra = f"  lr {lr:.2e}" if sched is not None else ""
+            if job.last_grad_norm is not None:
+                extra += f"  gnorm {float(job.last_grad_norm):.3f}"
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
-                  f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {_fmt_bytes(job.last_comm_bytes)}", flush=True)
+                  f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {_fmt_bytes(job.last_comm_bytes)}{extra}",
+                  flush=True)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            # held-out batches: indices no training step draws
+            ev = [float(job.eval_step(tuple(t.to(mesh.device) for t in data.get(10**9 + i, rank)))) for i in range(2)]
+            if rank == 0:
+                print(f"eval after step {step + 1}: loss {sum(ev) / len(ev):.4f}", flush=True)
     if rank == 0:
         print(f"done: loss {first:.4f} -> {loss_v:.4f} over {args.steps} steps", flush=True)
+    if args.export:
+        sd = job.full_state_dict()  # every rank takes part; rank 0 receives the weights
+        if rank == 0:
+            save_atomic(sd, args.export)
+            print(f"exported {len(sd)} tensors to {args.export}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

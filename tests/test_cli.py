@@ -45,5 +45,25 @@ def test_train_rejects_a_missing_file(tmp_path):
 
 def test_help_documents_the_flags():
     out = run_cli("train", "--help")
-    for flag in ["--model", "--strategy", "--nproc", "--steps", "--data", "--precision", "--compile"]:
+    for flag in ["--model", "--strategy", "--nproc", "--steps", "--data", "--precision", "--compile", "--grad-accum",
+                 "--clip", "--lr-schedule", "--warmup", "--eval-every", "--export"]:
         assert flag in out
+
+
+def test_training_loop_flags_and_export(tmp_path):
+    path = tmp_path / "out" / "model.pt"
+    out = run_cli("train", "--model", "llama", "--size", "tiny", "--strategy", "zero2", "--nproc", "2", "--steps", "4",
+                  "--grad-accum", "2", "--clip", "0.1", "--lr-schedule", "cosine", "--warmup", "2",
+                  "--eval-every", "2", "--export", str(path))
+    lines = [line for line in out.splitlines() if line.startswith("step")]
+    assert len(lines) == 4 and all("gnorm" in line and " lr " in line for line in lines)
+    lrs = [float(re.search(r" lr (\S+)", line).group(1)) for line in lines]
+    assert lrs[0] < lrs[1] and lrs[3] < lrs[1]  # warm-up, then decay
+    assert out.count("eval after step") == 2
+    import torch
+
+    from shardwise.models import build
+
+    model = build("llama", "tiny")
+    model.load_state_dict(torch.load(path))  # same keys and shapes as the single-device model
+    assert not list(path.parent.glob(".tmp-*"))  # written atomically: no temporary left behind

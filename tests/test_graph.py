@@ -137,3 +137,26 @@ def test_host_staging_wraps_every_collective():
         wait = next(iter(s.users))
         (back,) = wait.users
         assert back.target is torch.ops.aten._to_copy.default and back.kwargs["device"].type == "cpu"
+
+
+def test_accumulation_programs():
+    _, cap = captured()
+    n = len(cap.grad_names)
+    ctx = ShardContext(WS, "g")
+    local = shard_step(cap, "zero1", ctx, "local")
+    assert sum(local.counts().values()) == 0  # no collective before the last micro-batch
+    adds = [x for x in local.gm.graph.nodes if x.target is torch.ops.aten.add_.Tensor]
+    assert len(adds) == n and all(a.args[0].op == "placeholder" for a in adds)  # in place into the sums
+    assert len(local.gm.graph.find_nodes(op="output")[0].args[0]) == 1  # only the loss leaves
+    last = shard_step(cap, "zero1", ctx, "last")
+    for rs in sw_nodes(last.gm, "reduce_scatter"):  # what is reduced is sum + fresh gradient
+        src = rs.args[0]
+        while src.target is not torch.ops.aten.add.Tensor:
+            src = src.args[0]
+        assert src.args[0].op == "placeholder" and src.args[0].name.startswith("grad_sum")
+    acc = shard_step(cap, "zero2", ctx, "acc")
+    assert acc.counts()["reduce_scatter"] == n
+    adds = [x for x in acc.gm.graph.nodes if x.target is torch.ops.aten.add_.Tensor]
+    assert len(adds) == n and all(a.args[1].target is torch.ops._c10d_functional.wait_tensor.default for a in adds)
+    with pytest.raises(ValueError, match="local/last are for ddp and zero1"):
+        shard_step(cap, "zero3", ctx, "local")
