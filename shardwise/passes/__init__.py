@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from ..capture import Capture
-from . import accumulate, ddp, zero
+from . import _emit, accumulate, ddp, schedule, zero
 from .program import Program, ShardContext
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -22,7 +22,15 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     whole = strategy in ("ddp", "zero1")
     if mode not in MODES or (mode in ("local", "last") and not whole) or (mode == "acc" and whole):
         raise ValueError(f"mode {mode!r} does not apply to {strategy}: local/last are for ddp and zero1, acc for zero2/zero3")
-    gm = copy.deepcopy(cap.gm)
+    prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
+    starts = _emit.collectives(prog.gm)
+    if ctx.schedule and starts:
+        cap_bytes = ctx.max_in_flight or 2 * max(schedule._payload(s) for s in starts)
+        prog.schedule = schedule.schedule(prog.gm, cap_bytes)
+    return prog
+
+
+def _rewrite(cap: Capture, gm, strategy: str, ctx: ShardContext, mode: str) -> Program:
     if mode == "local":
         return accumulate.local(cap, gm, ctx, strategy)
     if mode == "last":

@@ -30,6 +30,10 @@ class ShardContext:
     """Largest all-reduce bucket (ddp)."""
     stage: str | None = None
     """Device to stage collective payloads on (``"cpu"`` for gloo ranks whose tensors are on a GPU)."""
+    schedule: bool = True
+    """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it."""
+    max_in_flight: int | None = None
+    """Cap on bytes of collectives started and not yet waited for; None: twice the largest one."""
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Program:
     """``full``: each gradient leaves whole (already averaged); ``shard``: as this rank's piece."""
     input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     """dtype each parameter input is expected in (master fp32 when the graph casts it)."""
+    schedule: dict | None = None
+    """What the scheduler did (cap, how far each all-gather was moved), or None if it did not run."""
 
     def collective_nodes(self) -> list[fx.Node]:
         return _emit.collectives(self.gm)

@@ -1,0 +1,143 @@
+"""Latency hiding: issue collectives early, wait for them late, cap the bytes in flight.
+
+A list scheduler over the program's node order, in the spirit of XLA's latency-hiding scheduler:
+
+- all-gathers (with the cast/copy chain that feeds them from a shard placeholder) are *prefetched*:
+  issued, in their original order, as early as the in-flight cap allows — across the
+  forward/backward boundary too;
+- reduce-scatters and all-reduces start where their input is produced (the strategy pass put them
+  there);
+- every wait moves down to just before the first node that reads its result, unless the cap forces
+  the oldest outstanding collective to be waited for earlier.
+
+The result is a deterministic function of the input graph and the cap, so every rank issues the
+same collectives in the same order (DESIGN.md invariant 2). The order is pinned in the graph's
+node order, which the FX executor follows as written.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch.fx as fx
+
+from . import _emit
+
+WAIT = _emit.c10d.wait_tensor.default
+
+
+def _payload(start: fx.Node) -> int:
+    """Bytes a collective holds while in flight: its output buffer."""
+    v = _emit.val(start)
+    return v.numel() * v.dtype.itemsize
+
+
+def _feed_chain(start: fx.Node) -> list[fx.Node] | None:
+    """The nodes between a shard placeholder and an all-gather start, if it depends on nothing else."""
+    chain, stack = [], [start.args[0]]
+    while stack:
+        n = stack.pop()
+        if n.op == "placeholder":
+            continue
+        if n.op != "call_function" or len(n.users) != 1:
+            return None
+        chain.append(n)
+        stack.extend(n.all_input_nodes)
+    return list(reversed(chain))
+
+
+def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
+    """Reorder ``gm`` in place; returns a summary (how far each all-gather moved, the cap)."""
+    g = gm.graph
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    starts = [n for n in nodes if n.op == "call_function" and n.target in _emit.COLLECTIVE_TARGETS]
+    wait_of = {s: next(iter(s.users)) for s in starts}
+    start_of = {w: s for s, w in wait_of.items()}
+    prefetch: list[tuple[list[fx.Node], fx.Node]] = []
+    movable: set[fx.Node] = set()
+    for s in starts:
+        if s.meta["sw"]["kind"] != "all_gather":
+            continue
+        chain = _feed_chain(s)
+        if chain is None:
+            continue
+        prefetch.append((chain, s))
+        movable.update(chain)
+        movable.add(s)
+    pending = deque(prefetch)
+
+    order: list[fx.Node] = []
+    placed: set[fx.Node] = set()
+    in_flight: deque[fx.Node] = deque()  # started, not yet waited for, oldest first
+    flight = 0
+
+    def place(n: fx.Node) -> None:
+        order.append(n)
+        placed.add(n)
+
+    def wait_for(s: fx.Node) -> None:
+        nonlocal flight
+        while True:  # waits retire in issue order, so the oldest goes first
+            old = in_flight.popleft()
+            flight -= _payload(old)
+            place(wait_of[old])
+            if old is s:
+                return
+
+    def start(s: fx.Node, chain: list[fx.Node]) -> None:
+        nonlocal flight
+        while in_flight and flight + _payload(s) > max_in_flight:
+            wait_for(in_flight[0])
+        for c in chain:
+            place(c)
+        place(s)
+        in_flight.append(s)
+        flight += _payload(s)
+
+    def issue_prefetch(until: fx.Node | None = None) -> None:
+        """Start pending all-gathers in order: all up to ``until``, then while the cap has room."""
+        while pending:
+            chain, s = pending[0]
+            must = until is not None and pos[s] <= pos[until]
+            if not must and flight + _payload(s) > max_in_flight:
+                return
+            pending.popleft()
+            start(s, chain)
+            if until is s:
+                until = None
+
+    for n in nodes:
+        if n in movable or n.op == "output":
+            continue
+        if n.op == "call_function" and n.target is WAIT:
+            continue  # placed on demand, below
+        for a in n.all_input_nodes:
+            if a in start_of and a not in placed:
+                s = start_of[a]
+                if s not in placed:
+                    issue_prefetch(until=s)
+                wait_for(s)
+        if n.op == "call_function" and n.target in _emit.COLLECTIVE_TARGETS:
+            while in_flight and flight + _payload(n) > max_in_flight:
+                wait_for(in_flight[0])
+            place(n)
+            in_flight.append(n)
+            flight += _payload(n)
+        else:
+            place(n)
+        if n.op != "placeholder":
+            issue_prefetch()
+    issue_prefetch(until=prefetch[-1][1] if prefetch else None)
+    while in_flight:
+        wait_for(in_flight[0])
+    out = g.find_nodes(op="output")[0]
+    assert len(order) + 1 == len(nodes), "schedule lost or duplicated nodes"
+    # pin the order in the graph: move every node, in order, to just before the output
+    for n in order:
+        out.prepend(n)
+    g.lint()
+    gm.recompile()
+    new = {n: i for i, n in enumerate(g.nodes)}
+    moved = {s.meta["sw"].get("param") or s.name: pos[s] - new[s] for _, s in prefetch}
+    return {"max_in_flight": max_in_flight, "prefetched": moved}
