@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import shutil
+import tempfile
 import traceback
 
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, ws: int, port: int, backend: str, inq, outq) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ws))
+def _worker(rank: int, ws: int, store: str, backend: str, inq, outq) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ws))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -25,7 +20,9 @@ def _worker(rank: int, ws: int, port: int, backend: str, inq, outq) -> None:
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=120))
+    # a file store, not a TCP port: pools of concurrent test runs can never meet by picking the same port
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=ws,
+                            timeout=datetime.timedelta(seconds=120))
     while True:
         item = inq.get()
         if item is None:
@@ -50,10 +47,11 @@ class Pool:
     def __init__(self, ws: int, backend: str = "gloo"):
         self.ws = ws
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self.tmp = tempfile.mkdtemp(prefix="shardwise-pool-")
+        store = os.path.join(self.tmp, "store")
         self.inqs = [ctx.Queue() for _ in range(ws)]
         self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, ws, port, backend, self.inqs[r], self.outq), daemon=True) for r in range(ws)]
+        self.procs = [ctx.Process(target=_worker, args=(r, ws, store, backend, self.inqs[r], self.outq), daemon=True) for r in range(ws)]
         for p in self.procs:
             p.start()
 
@@ -81,3 +79,4 @@ class Pool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
