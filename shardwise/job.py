@@ -59,6 +59,7 @@ def compile(
     clip_grad_norm: float | None = None,
     compile: str | None = None,
     bucket_mb: float = 25.0,
+    link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 
@@ -95,8 +96,10 @@ def compile(
         raise ValueError(f"clip_grad_norm must be a positive number (or None for no clipping), got {clip_grad_norm!r}")
     if mesh is None:
         mesh = make_mesh()
-    return Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
-               clip_grad_norm)
+    job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
+              clip_grad_norm)
+    job.link_profile = link_profile
+    return job
 
 
 class Job:
@@ -130,6 +133,7 @@ class Job:
         self.buffers = dict(model.named_buffers())
         self._programs: dict[tuple, tuple[Program, Callable]] = {}
         self.clip_grad_norm = clip_grad_norm
+        self.link_profile = None  # a LinkProfile, a preset name or a JSON path from `shardwise calibrate`
         self.last_comm_bytes = 0
         self.last_grad_norm: torch.Tensor | None = None
         self.steps = 0
@@ -319,18 +323,53 @@ class Job:
     def programs(self) -> list[Program]:
         return [p for p, _ in self._programs.values()]
 
+    def cost_inputs(self):
+        """(link profile, device) the cost model uses for this job: a calibrated profile if one was
+        given to ``compile(link_profile=...)``, else a preset for the backend."""
+        from .costmodel import DEVICES, PRESETS, LinkProfile
+
+        lp = self.link_profile
+        if isinstance(lp, str):
+            lp = PRESETS[lp] if lp in PRESETS else LinkProfile.load(lp)
+        if lp is None:
+            lp = PRESETS["cpu-gloo" if dist.get_backend(self.group) == "gloo" else "h200-nv18-x2"]
+        dev = DEVICES["cpu"]
+        if self.mesh.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.mesh.device).lower()
+            dev = next((d for k, d in DEVICES.items() if k in name), DEVICES["h200"])
+        return lp, dev
+
     def explain(self) -> str:
-        """A short plan dump: strategy, mesh, per-parameter placement and the graph's collectives."""
-        lines = [f"strategy={self.strategy} {self.mesh} precision={self.mp}"]
-        for prog in self.programs():
+        """The plan: strategy, mesh, placements, and per compiled program its collectives with bytes,
+        predicted time and exposure, and the predicted step (two-lane simulation of the schedule)."""
+        from .costmodel import node_time, simulate
+
+        lp, dev = self.cost_inputs()
+        lines = [f"strategy={self.strategy} {self.mesh} precision={self.mp}", f"link profile: {lp}",
+                 f"compute: roofline on {dev.name} ({dev.flops / 1e12:.1f} TFLOP/s, {dev.bandwidth / 1e9:.0f} GB/s)"]
+        for (sig, mode), (prog, _) in self._programs.items():
             c = prog.counts()
+
+            def comm(n, ws=self.ws):
+                return lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], ws)
+
+            tl = simulate(prog.gm, lambda n: node_time(n, dev), comm)
             lines.append(
-                f"graph: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
-                f"reduce_scatter={c['reduce_scatter']} all_reduce={c['all_reduce']}; "
-                f"{prog.comm_bytes() / 2**20:.2f} MiB sent per rank"
+                f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
+                f"reduce_scatter={c['reduce_scatter']} all_reduce={c['all_reduce']}; {prog.comm_bytes() / 2**20:.2f} MiB "
+                f"sent per rank; predicted step {tl.step_s * 1e3:.2f} ms = compute {tl.compute_s * 1e3:.2f} ms + "
+                f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
+            if prog.schedule:
+                lines.append(f"  schedule: cap {prog.schedule['max_in_flight'] / 2**20:.2f} MiB in flight")
+            lines.append(f"  {'collective':15s} {'phase':5s} {'sent/rank':>10s} {'pred µs':>9s}  param(s)")
+            for n in prog.collective_nodes():
+                sw = n.meta["sw"]
+                p = sw.get("param")
+                p = ",".join(p) if isinstance(p, list) else (p or "")
+                lines.append(f"  {sw['kind']:15s} {sw['phase']:5s} {sw['bytes'] / 1024:8.1f}KiB {comm(n) * 1e6:9.1f}  {p[:60]}")
+        lines.append("placements (dp axis):")
         for n, lay in self.layouts.items():
             place = "R" if self.strategy == "ddp" else str(lay)
             lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place}")
-        text = "\n".join(lines)
-        return text
+        return "\n".join(lines)

@@ -341,3 +341,10 @@ def accumulation_peak(strategy: str, micro: int = 4):
     job.step([(x, x) for x in mbs])
     _, peak = measure(job, lambda: job.step([(x, x) for x in mbs]))
     return peak, sum(p.numel() * 4 for p in model.parameters())
+
+
+def explain_text(strategy: str):
+    model = make_model("llama", "fp32")
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), link_profile="h200-nv18-x2")
+    job.step(make_batch("llama", 0, dist.get_rank()))
+    return job.explain()

@@ -2,7 +2,7 @@
 
 Every collective is a ``_c10d_functional`` op followed by its ``wait_tensor``; the node carries
 ``meta["sw"]``: a dict with ``kind`` (all_gather / reduce_scatter / all_reduce), ``bytes`` (the
-payload each rank sends under a ring algorithm), ``param`` (for per-parameter collectives) and
+payload each rank sends under a ring algorithm), ``full_bytes`` (the whole tensor's), ``param`` (for per-parameter collectives) and
 ``phase`` (fwd / bwd / step). Tests and ``explain`` read the graph back through it.
 """
 
@@ -108,7 +108,8 @@ def all_gather(
     if layout.ws == 1:
         return reshape(g, shard, layout.shape)
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
-    sw = dict(kind="all_gather", bytes=ring_bytes("all_gather", nbytes, layout.ws), param=param, phase=phase)
+    sw = dict(kind="all_gather", bytes=ring_bytes("all_gather", nbytes, layout.ws), full_bytes=nbytes, param=param,
+              phase=phase)
     out = _collective(
         g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ws, group), layout.padded_shape,
         v.dtype, v.device, sw, stage,
@@ -132,7 +133,8 @@ def reduce_scatter(
         pad = [0, 0] * (len(layout.shape2) - 1) + [0, layout.pad_rows]
         x = _fn(g, aten.constant_pad_nd.default, (x, pad, 0.0), fake(layout.padded_shape, v.dtype, v.device))
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
-    sw = dict(kind="reduce_scatter", bytes=ring_bytes("reduce_scatter", nbytes, layout.ws), param=param, phase="bwd")
+    sw = dict(kind="reduce_scatter", bytes=ring_bytes("reduce_scatter", nbytes, layout.ws), full_bytes=nbytes,
+              param=param, phase="bwd")
     return _collective(
         g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ws, group), layout.local_shape,
         v.dtype, v.device, sw, stage,
@@ -152,7 +154,8 @@ def all_reduce_many(
     flats = [reshape(g, x, [n]) for x, n in zip(xs, sizes)]
     total = sum(sizes)
     flat = flats[0] if len(flats) == 1 else _fn(g, aten.cat.default, (flats,), fake([total], dtype, device))
-    sw = dict(kind="all_reduce", bytes=ring_bytes("all_reduce", total * dtype.itemsize, ws), param=params, phase=phase)
+    sw = dict(kind="all_reduce", bytes=ring_bytes("all_reduce", total * dtype.itemsize, ws),
+              full_bytes=total * dtype.itemsize, param=params, phase=phase)
     red = _collective(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, sw, stage)
     if len(xs) == 1:
         return [reshape(g, red, vs[0].shape)]

@@ -1,0 +1,74 @@
+"""Roofline time of the compute nodes of a step graph: max(FLOPs / peak, bytes / bandwidth).
+
+The analytic fallback of the cost model; measured per-node times replace it where profiling runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Device:
+    """Peak rates of one device (dense matrix FLOP/s at the compute dtype, memory bytes/s)."""
+
+    name: str
+    flops: float
+    bandwidth: float
+
+
+DEVICES = {
+    # measured on this workplace's H200s (DESIGN.md reference figures): 790 TFLOP/s bf16 GEMM, 4.3 TB/s copy
+    "h200": Device("h200", 790e12, 4.3e12),
+    "h100": Device("h100", 700e12, 3.0e12),  # about 0.7 of the datasheet's 989 TFLOP/s, 3.35 TB/s
+    "a100": Device("a100", 250e12, 1.6e12),
+    "cpu": Device("cpu", 50e9, 10e9),
+}
+
+
+def _numel(v) -> int:
+    return math.prod(v.shape) if isinstance(v, torch.Tensor) else 0
+
+
+def _bytes(v) -> int:
+    if isinstance(v, torch.Tensor):
+        return _numel(v) * v.dtype.itemsize
+    if isinstance(v, (list, tuple)):
+        return sum(_bytes(x) for x in v)
+    return 0
+
+
+def flops(node: fx.Node) -> float:
+    """Floating-point operations of one ATen node (matrix products and attention; 0 elsewhere)."""
+    t = node.target
+    ins = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
+    out = node.meta.get("val")
+    if t in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
+        a, b = (ins[-2], ins[-1])
+        k = a.shape[-1]
+        return 2.0 * _numel(out) * k
+    if "scaled_dot_product" in str(t):
+        q, k_ = ins[0], ins[1]
+        b_h = math.prod(q.shape[:-2])
+        fwd = 4.0 * b_h * q.shape[-2] * k_.shape[-2] * q.shape[-1]
+        return fwd * (2.5 if "backward" in str(t) else 1.0)
+    return 0.0
+
+
+def node_time(node: fx.Node, device: Device) -> float:
+    """Roofline seconds for one compute node; 0 for placeholders, views and collectives."""
+    if node.op != "call_function" or node.meta.get("sw") is not None:
+        return 0.0
+    name = str(node.target)
+    if "_c10d_functional" in name:
+        return 0.0
+    moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    if any(v in name for v in ("view", "alias", "t.default", "transpose", "permute", "expand", "slice", "getitem")):
+        moved = 0  # views move no data
+    return max(flops(node) / device.flops, moved / device.bandwidth)
