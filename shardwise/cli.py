@@ -47,6 +47,47 @@ def _train_parser(sub) -> None:
                    help="auto: CUDA under torchrun when present, CPU for spawned ranks")
 
 
+def _calibrate_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure collective latency and bandwidth on this machine's process group",
+        description="Times all-gather, reduce-scatter and all-reduce over message sizes on the current "
+        "process group (gloo on spawned CPU ranks, NCCL under torchrun on GPUs, timed with CUDA events), "
+        "fits alpha (latency) and bus bandwidth per collective, and writes a JSON profile that "
+        "shardwise.compile(link_profile=PATH) and explain use.",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    p.add_argument("--out", default="link_profile.json", help="where to write the profile (JSON)")
+    p.add_argument("--min-bytes", type=int, default=1 << 10, help="smallest message (default 1 KiB)")
+    p.add_argument("--max-bytes", type=int, default=1 << 24, help="largest message (default 16 MiB)")
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (default 10)")
+    p.add_argument("--name", default="measured", help="profile name")
+
+
+def calibrate_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import shardwise as sw
+    from shardwise.costmodel import calibrate
+
+    mesh = sw.mesh()
+    sizes, s = [], args.min_bytes
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= 4
+    if len(sizes) < 2:
+        raise SystemExit("calibrate: --max-bytes must be at least 4x --min-bytes (two sizes are needed to fit)")
+    prof, samples = calibrate(mesh.group, mesh.device, sizes, args.iters, torch.float32, args.name)
+    if dist.get_rank() == 0:
+        prof.save(args.out)
+        for k, rows in samples.items():
+            print(k + ": " + "  ".join(f"{b / 1024:.0f}KiB {t * 1e6:.0f}µs" for b, t in rows))
+        print(f"{prof}\nwrote {args.out}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -174,14 +215,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="A compiler for distributed PyTorch training.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
+    _calibrate_parser(sub)
     args = parser.parse_args(argv)
-    if args.cmd == "train":
-        from shardwise.runtime.launch import spawn, under_launcher
+    fn = {"train": train_main, "calibrate": calibrate_main}[args.cmd]
+    from shardwise.runtime.launch import spawn, under_launcher
 
-        if under_launcher():
-            train_main(args)
-        else:
-            spawn(train_main, args.nproc, args)
+    if under_launcher():
+        fn(args)
+    else:
+        spawn(fn, args.nproc, args)
     return 0
 
 

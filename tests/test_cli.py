@@ -67,3 +67,14 @@ def test_training_loop_flags_and_export(tmp_path):
     model = build("llama", "tiny")
     model.load_state_dict(torch.load(path))  # same keys and shapes as the single-device model
     assert not list(path.parent.glob(".tmp-*"))  # written atomically: no temporary left behind
+
+
+def test_calibrate_writes_a_profile_that_compile_loads(tmp_path):
+    out = tmp_path / "lp.json"
+    text = run_cli("calibrate", "--nproc", "2", "--out", str(out), "--max-bytes", str(1 << 16), "--iters", "3")
+    assert "wrote" in text and "all_gather:" in text
+    from shardwise.costmodel import KINDS, LinkProfile
+
+    prof = LinkProfile.load(out)
+    assert all(prof.busbw[k] > 0 and prof.alpha[k] >= 0 for k in KINDS)
+    assert "calibrate over 2 ranks (gloo, cpu)" in prof.source

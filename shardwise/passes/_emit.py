@@ -2,8 +2,9 @@
 
 Every collective is a ``_c10d_functional`` op followed by its ``wait_tensor``; the node carries
 ``meta["sw"]``: a dict with ``kind`` (all_gather / reduce_scatter / all_reduce), ``bytes`` (the
-payload each rank sends under a ring algorithm), ``full_bytes`` (the whole tensor's), ``param`` (for per-parameter collectives) and
-``phase`` (fwd / bwd / step). Tests and ``explain`` read the graph back through it.
+payload each rank sends under a ring algorithm), ``full_bytes`` (the whole tensor's), ``param``
+(for per-parameter collectives) and ``phase`` (fwd / bwd / step). Tests and ``explain`` read the
+graph back through it.
 """
 
 from __future__ import annotations
