@@ -104,10 +104,12 @@ def _timed(fn, device: torch.device, iters: int) -> float:
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    ts = []
+    for _ in range(iters):  # the median: CPU timings carry scheduler noise
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / iters
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, sizes: list[int], iters: int = 10,
