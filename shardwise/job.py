@@ -59,6 +59,7 @@ def compile(
     clip_grad_norm: float | None = None,
     compile: str | None = None,
     bucket_mb: float = 25.0,
+    shard_bucket_mb: float | None = 0,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -67,7 +68,10 @@ def compile(
     (shards under zero1-3), like ``model.named_parameters()`` yields them, so groups can be built by
     name. The model's forward must return the loss (a scalar, or an object with ``.loss``), or pass
     ``loss_fn(outputs, batch)``. ``clip_grad_norm`` clips the global gradient norm (over every shard
-    on every rank) as ``torch.nn.utils.clip_grad_norm_`` does on one device.
+    on every rank) as ``torch.nn.utils.clip_grad_norm_`` does on one device. ``bucket_mb`` closes
+    ddp's all-reduce buckets; ``shard_bucket_mb`` the zero all-gather/reduce-scatter buckets (0, the
+    default: one collective per parameter; None: twice the largest parameter). ``link_profile`` is a preset name,
+    a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``.
 
     Example::
 
@@ -97,7 +101,7 @@ def compile(
     if mesh is None:
         mesh = make_mesh()
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
-              clip_grad_norm)
+              clip_grad_norm, shard_bucket_mb)
     job.link_profile = link_profile
     return job
 
@@ -105,7 +109,8 @@ def compile(
 class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
-    def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None):
+    def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
+                 shard_bucket_mb=0):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -122,6 +127,7 @@ class Job:
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype if mp.param_dtype is not None else None,
             bucket_bytes=int(bucket_mb * 2**20),
+            shard_bucket_bytes=None if shard_bucket_mb is None else int(shard_bucket_mb * 2**20),
             stage=self._stage(),
         )
         self._check_model_device()

@@ -158,3 +158,20 @@ def test_accumulation_programs():
     assert len(adds) == n and all(a.args[1].target is torch.ops._c10d_functional.wait_tensor.default for a in adds)
     with pytest.raises(ValueError, match="local/last are for ddp and zero1"):
         shard_step(cap, "zero3", ctx, "local")
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_bucketing_merges_collectives(strategy):
+    _, cap = captured("llama")
+    one = shard_step(cap, strategy, ShardContext(WS, "g"))
+    merged = shard_step(cap, strategy, ShardContext(WS, "g", shard_bucket_bytes=1 << 30))
+    assert merged.buckets >= 1
+    c1, c2 = one.counts(), merged.counts()
+    assert c2["reduce_scatter"] == 1 and c1["reduce_scatter"] == len(cap.grad_names)
+    if strategy == "zero3":
+        assert c2["all_gather"] == 2  # one forward bucket, one backward bucket
+    # every parameter is still in exactly one bucket per phase
+    names = [p for s in sw_nodes(merged.gm, "reduce_scatter") for p in s.meta["sw"]["param"]]
+    assert sorted(names) == sorted(cap.grad_names)
+    assert sum(s.meta["sw"]["full_bytes"] for s in sw_nodes(merged.gm)) == sum(
+        s.meta["sw"]["full_bytes"] for s in sw_nodes(one.gm))

@@ -48,3 +48,13 @@ def test_parity_inductor(pools, strategy):
     # inductor fuses kernels and reorders reductions, so fp32 rounding differs from eager by design;
     # fp64 holds the compiled graph to the exact bound
     check(pools, "gpt", strategy, "fp64", 2, steps=4, compile="inductor", loss_tol=1e-10, param_tol=1e-10)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("name", ["gpt", "llama", "moe"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_parity_bucketed(pools, strategy, name, ws, micro):
+    # buckets of twice the largest parameter (shard_bucket_mb=None), with and without accumulation
+    check(pools, name, strategy, "fp64", ws, steps=3, micro=micro, shard_bucket_mb=None, loss_tol=1e-10,
+          param_tol=1e-10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from ..capture import Capture
-from . import _emit, accumulate, ddp, schedule, zero
+from . import _emit, accumulate, bucket, ddp, schedule, zero
 from .program import Program, ShardContext
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -24,6 +24,12 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
         raise ValueError(f"mode {mode!r} does not apply to {strategy}: local/last are for ddp and zero1, acc for zero2/zero3")
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
     starts = _emit.collectives(prog.gm)
+    if ctx.shard_bucket_bytes != 0 and strategy != "ddp" and starts:
+        limit = ctx.shard_bucket_bytes or 2 * max(s.meta["sw"]["full_bytes"] for s in starts)
+        prog.buckets = bucket.bucket(prog.gm, ctx.ws, limit)
+        starts = _emit.collectives(prog.gm)
+    if mode == "acc":
+        prog = accumulate.into_inputs(prog)
     if ctx.schedule and starts:
         cap_bytes = ctx.max_in_flight or 2 * max(schedule._payload(s) for s in starts)
         prog.schedule = schedule.schedule(prog.gm, cap_bytes)
@@ -41,7 +47,7 @@ def _rewrite(cap: Capture, gm, strategy: str, ctx: ShardContext, mode: str) -> P
         prog = zero.apply_zero12(cap, gm, ctx, strategy)
     else:
         prog = zero.apply_zero3(cap, gm, ctx)
-    return accumulate.into_inputs(prog) if mode == "acc" else prog
+    return prog
 
 
 __all__ = ["MODES", "Program", "STRATEGIES", "ShardContext", "shard_step"]

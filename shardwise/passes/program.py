@@ -30,6 +30,9 @@ class ShardContext:
     """Largest all-reduce bucket (ddp)."""
     stage: str | None = None
     """Device to stage collective payloads on (``"cpu"`` for gloo ranks whose tensors are on a GPU)."""
+    shard_bucket_bytes: int | None = 0
+    """Close zero all-gather/reduce-scatter buckets at this many bytes (passes/bucket.py); 0: one
+    collective per parameter; None: twice the largest parameter's."""
     schedule: bool = True
     """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it."""
     max_in_flight: int | None = None
@@ -50,6 +53,8 @@ class Program:
     """``full``: each gradient leaves whole (already averaged); ``shard``: as this rank's piece."""
     input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     """dtype each parameter input is expected in (master fp32 when the graph casts it)."""
+    buckets: int = 0
+    """How many multi-parameter buckets the bucketing pass made."""
     schedule: dict | None = None
     """What the scheduler did (cap, how far each all-gather was moved), or None if it did not run."""
 

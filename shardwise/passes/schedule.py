@@ -139,5 +139,9 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
     g.lint()
     gm.recompile()
     new = {n: i for i, n in enumerate(g.nodes)}
-    moved = {s.meta["sw"].get("param") or s.name: pos[s] - new[s] for _, s in prefetch}
+    def label(s):
+        p = s.meta["sw"].get("param")
+        return f"{s.meta['sw']['phase']}:{','.join(p) if isinstance(p, list) else (p or s.name)}"
+
+    moved = {label(s): pos[s] - new[s] for _, s in prefetch}
     return {"max_in_flight": max_in_flight, "prefetched": moved}
