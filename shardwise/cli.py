@@ -16,13 +16,8 @@ def _train_parser(sub) -> None:
         "per-rank peak memory (CUDA max allocated; on CPU the MemTracker live-tensor peak, measured every "
         "--mem-every steps and marked with the step it was measured at), bytes each rank sent.",
     )
-    p.add_argument("--model", choices=["gpt", "llama", "moe"], default="gpt", help="built-in model (default gpt)")
-    p.add_argument("--size", default="small", help="model preset: tiny, small, or a large shape (default small)")
-    p.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "zero3"], default="zero3", help="default zero3")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    _model_args(p)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step, each of --batch sequences per rank (default 1)")
@@ -36,15 +31,60 @@ def _train_parser(sub) -> None:
     p.add_argument("--export", default=None,
                    help="after training, write the consolidated weights (keys of model.state_dict()) to this "
                         "file with torch.save, atomically")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32",
-                   help="fp32; bf16 = bf16 compute with fp32 master weights and fp32 reduction; fp64")
     p.add_argument("--compile", choices=["fx", "inductor"], default="fx", help="executor of the step graph")
     p.add_argument("--data", default=None, help="train byte-level on this text file (default: synthetic stream)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument("--mem-every", type=int, default=10,
                    help="on CPU, measure the live-tensor peak with MemTracker every K steps (default 10)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA under torchrun when present, CPU for spawned ranks")
+
+
+def _explain_parser(sub) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="compile a built-in model and print the plan: placements, collectives, predicted step",
+        description="Compiles the model as `train` would (same flags), runs one step so every program "
+        "exists, and prints job.explain() on rank 0: per-parameter placement, each collective with its "
+        "bytes and predicted time, and the predicted step time (roofline compute, alpha-beta collectives).",
+    )
+    _model_args(p)
+    p.add_argument("--link-profile", default=None,
+                   help="a JSON profile from `shardwise calibrate`, or a preset name (default: per backend)")
+
+
+def explain_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import shardwise as sw
+    from shardwise.data import SyntheticStream
+
+    mesh = sw.mesh()
+    torch.manual_seed(args.seed)
+    model = sw.models.build(args.model, args.size).to(mesh.device)
+    seq = args.seq or model.cfg.seq
+    mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if args.precision == "bf16" else None
+    job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), strategy=args.strategy, mesh=mesh,
+                     mixed_precision=mp, link_profile=args.link_profile)
+    x, y = (t.to(mesh.device) for t in SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed).get(0, dist.get_rank()))
+    job.step((x, y))
+    text = job.explain()
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _model_args(p) -> None:
+    p.add_argument("--model", choices=["gpt", "llama", "moe"], default="gpt", help="built-in model (default gpt)")
+    p.add_argument("--size", default="small", help="model preset: tiny, small, or a large shape (default small)")
+    p.add_argument("--strategy", choices=["ddp", "zero1", "zero2", "zero3"], default="zero3", help="default zero3")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32",
+                   help="fp32; bf16 = bf16 compute with fp32 master weights and fp32 reduction; fp64")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
 
 
 def _calibrate_parser(sub) -> None:
@@ -215,9 +255,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="A compiler for distributed PyTorch training.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _train_parser(sub)
+    _explain_parser(sub)
     _calibrate_parser(sub)
     args = parser.parse_args(argv)
-    fn = {"train": train_main, "calibrate": calibrate_main}[args.cmd]
+    fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main}[args.cmd]
     from shardwise.runtime.launch import spawn, under_launcher
 
     if under_launcher():

@@ -78,3 +78,10 @@ def test_calibrate_writes_a_profile_that_compile_loads(tmp_path):
     prof = LinkProfile.load(out)
     assert all(prof.busbw[k] > 0 and prof.alpha[k] >= 0 for k in KINDS)
     assert "calibrate over 2 ranks (gloo, cpu)" in prof.source
+
+
+def test_explain_prints_the_plan():
+    out = run_cli("explain", "--model", "llama", "--size", "tiny", "--strategy", "zero3", "--nproc", "2",
+                  "--link-profile", "nvlink-8gpu")
+    assert "link profile: nvlink-8gpu" in out and "predicted step" in out
+    assert "all_gather      fwd" in out and "reduce_scatter  bwd" in out and "S(0)" in out
