@@ -60,6 +60,7 @@ def compile(
     compile: str | None = None,
     bucket_mb: float = 25.0,
     shard_bucket_mb: float | None = 0,
+    schedule: bool = False,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -71,7 +72,9 @@ def compile(
     on every rank) as ``torch.nn.utils.clip_grad_norm_`` does on one device. ``bucket_mb`` closes
     ddp's all-reduce buckets; ``shard_bucket_mb`` the zero all-gather/reduce-scatter buckets (0, the
     default: one collective per parameter; None: twice the largest parameter). ``link_profile`` is a preset name,
-    a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``.
+    a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``. ``schedule``
+    turns on the latency-hiding reorder (passes/schedule.py; opt-in while a rare gloo crash with it
+    is investigated).
 
     Example::
 
@@ -101,7 +104,7 @@ def compile(
     if mesh is None:
         mesh = make_mesh()
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
-              clip_grad_norm, shard_bucket_mb)
+              clip_grad_norm, shard_bucket_mb, schedule)
     job.link_profile = link_profile
     return job
 
@@ -110,7 +113,7 @@ class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
-                 shard_bucket_mb=0):
+                 shard_bucket_mb=0, schedule=False):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -128,6 +131,7 @@ class Job:
             reduce_dtype=mp.reduce_dtype if mp.param_dtype is not None else None,
             bucket_bytes=int(bucket_mb * 2**20),
             shard_bucket_bytes=None if shard_bucket_mb is None else int(shard_bucket_mb * 2**20),
+            schedule=schedule,
             stage=self._stage(),
         )
         self._check_model_device()

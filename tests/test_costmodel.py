@@ -52,7 +52,7 @@ def test_roofline_counts_matmul_flops():
 
 def test_simulation_hides_communication_behind_compute():
     _, cap = captured("llama")
-    prog = shard_step(cap, "zero3", ShardContext(4, "g", max_in_flight=1 << 40))
+    prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, max_in_flight=1 << 40))
     unsched = shard_step(cap, "zero3", ShardContext(4, "g", schedule=False))
     compute = lambda n: 1.0 if "mm" in str(n.target) else 0.0  # noqa: E731 - exact, deterministic estimators
     comm = lambda n: 0.5  # noqa: E731

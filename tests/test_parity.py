@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import harness
 from harness import check
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
@@ -58,3 +57,9 @@ def test_parity_bucketed(pools, strategy, name, ws, micro):
     # buckets of twice the largest parameter (shard_bucket_mb=None), with and without accumulation
     check(pools, name, strategy, "fp64", ws, steps=3, micro=micro, shard_bucket_mb=None, loss_tol=1e-10,
           param_tol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_parity_scheduled(pools, strategy):
+    # the latency-hiding reorder (opt-in): prefetched gathers, late waits, same numbers
+    check(pools, "llama", strategy, "fp64", 2, steps=3, schedule=True, loss_tol=1e-10, param_tol=1e-10)

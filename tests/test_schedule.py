@@ -1,7 +1,6 @@
 """The latency-hiding scheduler (passes/schedule.py): prefetch, late waits, the in-flight cap, determinism."""
 
 import pytest
-import torch
 
 from test_graph import captured, sw_nodes
 from shardwise.capture import forward_nodes
@@ -31,7 +30,7 @@ def in_flight_profile(gm):
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_unbounded_cap_starts_every_gather_before_compute(name):
     _, cap = captured(name)
-    prog = shard_step(cap, "zero3", ShardContext(WS, "g", max_in_flight=BIG))
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True, max_in_flight=BIG))
     pos = order_of(prog.gm)
     first_mm = min(pos[n] for n in prog.gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target))
     for s in sw_nodes(prog.gm, "all_gather"):
@@ -51,7 +50,7 @@ def test_cap_on_bytes_in_flight_holds(strategy):
     base = shard_step(cap, strategy, ShardContext(WS, "g", schedule=False))
     largest = max(_payload(s) for s in sw_nodes(base.gm))
     for limit in (largest, 2 * largest, 5 * largest):
-        prog = shard_step(cap, strategy, ShardContext(WS, "g", max_in_flight=limit))
+        prog = shard_step(cap, strategy, ShardContext(WS, "g", schedule=True, max_in_flight=limit))
         assert max(in_flight_profile(prog.gm)) <= limit
         assert prog.counts() == base.counts()  # moved, never added or dropped
 
@@ -59,7 +58,7 @@ def test_cap_on_bytes_in_flight_holds(strategy):
 def test_gathers_keep_their_order_and_prefetch_crosses_into_backward():
     _, cap = captured("llama")
     base = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=False))
-    prog = shard_step(cap, "zero3", ShardContext(WS, "g", max_in_flight=BIG))
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True, max_in_flight=BIG))
     key = lambda s: (s.meta["sw"]["param"], s.meta["sw"]["phase"])  # noqa: E731
     assert [key(s) for s in sw_nodes(prog.gm, "all_gather")] == [key(s) for s in sw_nodes(base.gm, "all_gather")]
     fwd = forward_nodes(prog.gm)
@@ -71,7 +70,7 @@ def test_gathers_keep_their_order_and_prefetch_crosses_into_backward():
 
 def test_reduce_scatters_start_where_gradients_are_produced():
     _, cap = captured("llama")
-    prog = shard_step(cap, "zero3", ShardContext(WS, "g"))
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True))
     pos = order_of(prog.gm)
     for s in sw_nodes(prog.gm, "reduce_scatter"):
         src = s.args[0]
@@ -80,14 +79,14 @@ def test_reduce_scatters_start_where_gradients_are_produced():
 
 def test_schedule_is_deterministic():
     _, cap = captured("gpt")
-    a = shard_step(cap, "zero3", ShardContext(WS, "g"))
-    b = shard_step(cap, "zero3", ShardContext(WS, "g"))
+    a = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True))
+    b = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True))
     assert a.gm.code == b.gm.code
 
 
 def test_default_cap_is_twice_the_largest_collective():
     _, cap = captured("gpt")
-    prog = shard_step(cap, "zero3", ShardContext(WS, "g"))
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True))
     largest = max(_payload(s) for s in sw_nodes(prog.gm))
     assert prog.schedule["max_in_flight"] == 2 * largest
     assert max(in_flight_profile(prog.gm)) <= 2 * largest

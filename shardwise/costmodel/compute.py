@@ -50,8 +50,7 @@ def flops(node: fx.Node) -> float:
     ins = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
     out = node.meta.get("val")
     if t in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
-        a, b = (ins[-2], ins[-1])
-        k = a.shape[-1]
+        k = ins[-2].shape[-1]  # the contracted dim of the left operand
         return 2.0 * _numel(out) * k
     if "scaled_dot_product" in str(t):
         q, k_ = ins[0], ins[1]

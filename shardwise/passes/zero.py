@@ -20,7 +20,7 @@ import torch.fx as fx
 from ..capture import Capture, forward_nodes
 from ..sharding import ShardLayout
 from . import _emit
-from .program import Program, ShardContext, average_loss, finish, input_dtypes, parts, replace_uses, set_outputs
+from .program import Program, ShardContext, average_loss, finish, input_dtypes, parts, set_outputs
 
 aten = torch.ops.aten
 
