@@ -26,6 +26,13 @@ from . import _emit
 WAIT = _emit.c10d.wait_tensor.default
 
 
+def keep_alive(*tensors) -> None:
+    """A no-op whose only job is to hold a collective's input until its wait (see ``schedule``)."""
+
+
+fx.node.has_side_effect(keep_alive)
+
+
 def _payload(start: fx.Node) -> int:
     """Bytes a collective holds while in flight: its output buffer."""
     v = _emit.val(start)
@@ -66,6 +73,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
         movable.update(chain)
         movable.add(s)
     pending = deque(prefetch)
+    out = g.find_nodes(op="output")[0]
 
     order: list[fx.Node] = []
     placed: set[fx.Node] = set()
@@ -82,6 +90,12 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
             old = in_flight.popleft()
             flight -= _payload(old)
             place(wait_of[old])
+            # The executor frees a value after its last reader, which would be the start: a gloo
+            # worker thread could then still read a freed input (seen as SIGSEGV with waits far
+            # from their starts). Reading the input again after the wait keeps it alive until then.
+            with g.inserting_before(out):
+                ka = g.call_function(keep_alive, (wait_of[old], old.args[0]))
+            place(ka)
             if old is s:
                 return
 
@@ -131,8 +145,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
     issue_prefetch(until=prefetch[-1][1] if prefetch else None)
     while in_flight:
         wait_for(in_flight[0])
-    out = g.find_nodes(op="output")[0]
-    assert len(order) + 1 == len(nodes), "schedule lost or duplicated nodes"
+    assert len(order) + 1 == len(nodes) + len(starts), "schedule lost or duplicated nodes"
     # pin the order in the graph: move every node, in order, to just before the output
     for n in order:
         out.prepend(n)
