@@ -1,4 +1,4 @@
-"""``shardwise`` command line: train (more subcommands join as their issues land)."""
+"""``shardwise`` command line: train, explain, calibrate."""
 
 from __future__ import annotations
 
@@ -60,10 +60,7 @@ def explain_main(args) -> None:
     from shardwise.data import SyntheticStream
 
     mesh = sw.mesh()
-    torch.manual_seed(args.seed)
-    model = sw.models.build(args.model, args.size).to(mesh.device)
-    seq = args.seq or model.cfg.seq
-    mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if args.precision == "bf16" else None
+    model, seq, mp = _build_model(args, mesh)
     job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), strategy=args.strategy, mesh=mesh,
                      mixed_precision=mp, link_profile=args.link_profile)
     x, y = (t.to(mesh.device) for t in SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed).get(0, dist.get_rank()))
@@ -73,6 +70,23 @@ def explain_main(args) -> None:
         print(text, flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _build_model(args, mesh, **overrides):
+    """(model on the mesh's device, sequence length, precision policy) from the shared model flags."""
+    import torch
+
+    import shardwise as sw
+
+    torch.manual_seed(args.seed)
+    model = sw.models.build(args.model, args.size, **overrides)
+    seq = args.seq or model.cfg.seq
+    if seq > model.cfg.seq:
+        raise SystemExit(f"--seq {seq} exceeds the model's maximum sequence length {model.cfg.seq}")
+    if args.precision == "fp64":
+        model = model.double()
+    mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if args.precision == "bf16" else None
+    return model.to(mesh.device), seq, mp
 
 
 def _model_args(p) -> None:
@@ -173,16 +187,7 @@ def train_main(args) -> None:
         raise SystemExit(f"--grad-accum must be >= 1, got {args.grad_accum}")
     mesh = sw.mesh()
     rank, ws = dist.get_rank(), dist.get_world_size()
-    over = {"vocab": 256} if args.data else {}
-    torch.manual_seed(args.seed)
-    model = sw.models.build(args.model, args.size, **over)
-    seq = args.seq or model.cfg.seq
-    if seq > model.cfg.seq:
-        raise SystemExit(f"--seq {seq} exceeds the model's maximum sequence length {model.cfg.seq}")
-    if args.precision == "fp64":
-        model = model.double()
-    model = model.to(mesh.device)
-    mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if args.precision == "bf16" else None
+    model, seq, mp = _build_model(args, mesh, **({"vocab": 256} if args.data else {}))
     from shardwise.recipes import adamw_groups, cosine_with_warmup
 
     job = sw.compile(
