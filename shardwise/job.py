@@ -60,7 +60,7 @@ def compile(
     compile: str | None = None,
     bucket_mb: float = 25.0,
     shard_bucket_mb: float | None = 0,
-    schedule: bool = False,
+    schedule: bool = True,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -73,8 +73,8 @@ def compile(
     ddp's all-reduce buckets; ``shard_bucket_mb`` the zero all-gather/reduce-scatter buckets (0, the
     default: one collective per parameter; None: twice the largest parameter). ``link_profile`` is a preset name,
     a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``. ``schedule``
-    turns on the latency-hiding reorder (passes/schedule.py; opt-in while a rare gloo crash with it
-    is investigated).
+    (on by default) reorders collectives for latency hiding (passes/schedule.py); on gloo one
+    collective is in flight at a time.
 
     Example::
 
@@ -113,7 +113,7 @@ class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
-                 shard_bucket_mb=0, schedule=False):
+                 shard_bucket_mb=0, schedule=True):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -132,6 +132,7 @@ class Job:
             bucket_bytes=int(bucket_mb * 2**20),
             shard_bucket_bytes=None if shard_bucket_mb is None else int(shard_bucket_mb * 2**20),
             schedule=schedule,
+            max_ops_in_flight=1 if dist.get_backend(self.group) == "gloo" else None,
             stage=self._stage(),
         )
         self._check_model_device()
@@ -348,6 +349,36 @@ class Job:
             name = torch.cuda.get_device_name(self.mesh.device).lower()
             dev = next((d for k, d in DEVICES.items() if k in name), DEVICES["h200"])
         return lp, dev
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: whole weights, master shards, buffers, optimizer state
+        (predicted from the optimizer's kind before its first step)."""
+        from .costmodel import optimizer_state_bytes
+
+        def total(ts):
+            seen = {id(t): t for t in ts if not t.is_meta}
+            return sum(t.numel() * t.element_size() for t in seen.values())
+
+        return {"weights": total(self.state.full.values()), "master": total(self.state.master.values()),
+                "buffers": total(self.buffers.values()), "optimizer": optimizer_state_bytes(self.optimizer)}
+
+    def predict_memory(self, batch) -> dict[str, int]:
+        """Predicted peak bytes on this rank for a step on ``batch`` (one micro-batch), before running it.
+
+        Resident state + the larger of (the graph's simulated live peak) and (its outputs — the
+        gradients — plus the optimizer step's temporaries); see costmodel/memory.py.
+        """
+        from .costmodel import liveness, optimizer_transient
+
+        prog, _ = self._program(batch, "step")
+        res = self.resident_bytes()
+        live = liveness(prog.gm)
+        tensors, _, _ = flatten_batch(batch)
+        on_dev = sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
+        after = live.outputs + optimizer_transient(self.optimizer)
+        peak = sum(res.values()) + on_dev + max(live.peak, after)
+        return {**res, "batch": on_dev, "graph_peak": live.peak, "graph_peak_at": live.peak_at,
+                "grads": live.outputs, "optimizer_step": after, "peak": peak}
 
     def explain(self) -> str:
         """The plan: strategy, mesh, placements, and per compiled program its collectives with bytes,

@@ -75,7 +75,7 @@ def _reference(name, dtype, ws, steps, over, micro, device):
 
 
 def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None, micro: int = 1,
-              seed: int | None = None, device: str = "cpu", shard_bucket_mb: float | None = 0, schedule: bool = False):
+              seed: int | None = None, device: str = "cpu", shard_bucket_mb: float | None = 0, schedule: bool = True):
     """Run on every rank of the pool; returns (losses, full_state_dict on rank 0, job summary).
 
     ``seed=None`` builds the same weights on every rank; ``seed="rank"`` gives each rank other
@@ -212,7 +212,7 @@ def rel_param_err(sd, ref):
 
 
 def check(pools, name, strategy, dtype, ws, steps, over=(), compile=None, loss_tol=None, param_tol=None,
-          micro=1, seed=None, device="cpu", backend="gloo", ref_device="cpu", shard_bucket_mb=0, schedule=False):
+          micro=1, seed=None, device="cpu", backend="gloo", ref_device="cpu", shard_bucket_mb=0, schedule=True):
     """Train on ``ws`` pool ranks and hold losses and final weights to the single-device reference."""
     ref_losses, ref_sd = reference(name, dtype, ws, steps, over, micro, ref_device)
     pool = pools(ws, backend)

@@ -93,3 +93,22 @@ def test_default_cap_is_twice_the_largest_collective():
     largest = max(_payload(s) for s in sw_nodes(prog.gm))
     assert prog.schedule["max_in_flight"] == 2 * largest
     assert max(in_flight_profile(prog.gm)) <= 2 * largest
+
+
+def test_cap_on_number_in_flight_holds_and_still_overlaps():
+    # gloo runs one collective at a time (see ShardContext.max_ops_in_flight): never two started and
+    # not waited for, yet the one in flight is still issued ahead of the compute it overlaps
+    _, cap = captured("llama")
+    prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True, max_ops_in_flight=1))
+    count, most, overlapped = 0, 0, 0
+    for n in prog.gm.graph.nodes:
+        if n.meta.get("sw"):
+            count += 1
+            most = max(most, count)
+        elif n.op == "call_function" and n.target is WAIT:
+            count -= 1
+        elif count and n.op == "call_function" and "mm" in str(n.target):
+            overlapped += 1
+    assert most == 1
+    assert overlapped > 0
+    assert prog.schedule["max_ops"] == 1

@@ -32,7 +32,7 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
         prog = accumulate.into_inputs(prog)
     if ctx.schedule and starts:
         cap_bytes = ctx.max_in_flight or 2 * max(schedule._payload(s) for s in starts)
-        prog.schedule = schedule.schedule(prog.gm, cap_bytes)
+        prog.schedule = schedule.schedule(prog.gm, cap_bytes, ctx.max_ops_in_flight)
     return prog
 
 

@@ -33,12 +33,15 @@ class ShardContext:
     shard_bucket_bytes: int | None = 0
     """Close zero all-gather/reduce-scatter buckets at this many bytes (passes/bucket.py); 0: one
     collective per parameter; None: twice the largest parameter's."""
-    schedule: bool = False
+    schedule: bool = True
     """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it
-    (each waited for right after it starts). Opt-in for now: a rank of a 4-rank gloo test pool died
-    twice in ~10 suite runs with it on (zero3, accumulation, clipping); cause not yet found."""
+    (each waited for right after it starts)."""
     max_in_flight: int | None = None
     """Cap on bytes of collectives started and not yet waited for; None: twice the largest one."""
+    max_ops_in_flight: int | None = None
+    """Cap on the number of collectives in flight; None: no cap. gloo needs 1: with two all-gathers
+    of one gloo process group in flight, a rank sometimes waits forever for data its peers already
+    sent (seen on 4 ranks within ~20 zero3 steps; one at a time ran 40 x 10 steps clean)."""
 
 
 @dataclass

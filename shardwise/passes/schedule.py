@@ -53,8 +53,11 @@ def _feed_chain(start: fx.Node) -> list[fx.Node] | None:
     return list(reversed(chain))
 
 
-def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
-    """Reorder ``gm`` in place; returns a summary (how far each all-gather moved, the cap)."""
+def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None) -> dict:
+    """Reorder ``gm`` in place; returns a summary (how far each all-gather moved, the caps).
+
+    ``max_in_flight`` caps the bytes of collectives started and not yet waited for, ``max_ops``
+    their number (None: no cap on the number)."""
     g = gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -80,6 +83,10 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
     in_flight: deque[fx.Node] = deque()  # started, not yet waited for, oldest first
     flight = 0
 
+    def full(nbytes: int) -> bool:
+        """No room to start a collective of ``nbytes`` now."""
+        return flight + nbytes > max_in_flight or (max_ops is not None and len(in_flight) >= max_ops)
+
     def place(n: fx.Node) -> None:
         order.append(n)
         placed.add(n)
@@ -101,7 +108,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
 
     def start(s: fx.Node, chain: list[fx.Node]) -> None:
         nonlocal flight
-        while in_flight and flight + _payload(s) > max_in_flight:
+        while in_flight and full(_payload(s)):
             wait_for(in_flight[0])
         for c in chain:
             place(c)
@@ -114,7 +121,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
         while pending:
             chain, s = pending[0]
             must = until is not None and pos[s] <= pos[until]
-            if not must and flight + _payload(s) > max_in_flight:
+            if not must and full(_payload(s)):
                 return
             pending.popleft()
             start(s, chain)
@@ -133,7 +140,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
                     issue_prefetch(until=s)
                 wait_for(s)
         if n.op == "call_function" and n.target in _emit.COLLECTIVE_TARGETS:
-            while in_flight and flight + _payload(n) > max_in_flight:
+            while in_flight and full(_payload(n)):
                 wait_for(in_flight[0])
             place(n)
             in_flight.append(n)
@@ -157,4 +164,4 @@ def schedule(gm: fx.GraphModule, max_in_flight: int) -> dict:
         return f"{s.meta['sw']['phase']}:{','.join(p) if isinstance(p, list) else (p or s.name)}"
 
     moved = {label(s): pos[s] - new[s] for _, s in prefetch}
-    return {"max_in_flight": max_in_flight, "prefetched": moved}
+    return {"max_in_flight": max_in_flight, "max_ops": max_ops, "prefetched": moved}
