@@ -365,8 +365,9 @@ class Job:
     def predict_memory(self, batch) -> dict[str, int]:
         """Predicted peak bytes on this rank for a step on ``batch`` (one micro-batch), before running it.
 
-        Resident state + the larger of (the graph's simulated live peak) and (its outputs — the
-        gradients — plus the optimizer step's temporaries); see costmodel/memory.py.
+        Resident state + the largest of: the graph's simulated live peak; its outputs (the
+        gradients) plus the optimizer step's temporaries; zero1/2's gather of the updated shards
+        back into whole weights. See costmodel/memory.py.
         """
         from .costmodel import liveness, optimizer_transient
 
@@ -376,9 +377,10 @@ class Job:
         tensors, _, _ = flatten_batch(batch)
         on_dev = sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
         after = live.outputs + optimizer_transient(self.optimizer)
-        peak = sum(res.values()) + on_dev + max(live.peak, after)
+        sync = self.state.sync_transient_bytes(self.group, self.ws)
+        peak = sum(res.values()) + on_dev + max(live.peak, after, sync)
         return {**res, "batch": on_dev, "graph_peak": live.peak, "graph_peak_at": live.peak_at,
-                "grads": live.outputs, "optimizer_step": after, "peak": peak}
+                "grads": live.outputs, "optimizer_step": after, "gather_back": sync, "peak": peak}
 
     def explain(self) -> str:
         """The plan: strategy, mesh, placements, and per compiled program its collectives with bytes,

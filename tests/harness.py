@@ -350,3 +350,19 @@ def explain_text(strategy: str):
     job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), link_profile="h200-nv18-x2")
     job.step(make_batch("llama", 0, dist.get_rank()))
     return job.explain()
+
+
+def predicted_and_measured_peak(strategy: str, name: str, batch: int, seq: int):
+    """(predicted peak before the first step, predicted after it, measured peak of step 2) on this rank."""
+    from shardwise.runtime.memory import measure
+
+    torch.manual_seed(0)
+    model = build(name, "small")
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, 256, (batch, seq), generator=g)
+    before = job.predict_memory((x, x))["peak"]
+    job.step((x, x))
+    after = job.predict_memory((x, x))["peak"]
+    _, peak = measure(job, lambda: job.step((x, x)))
+    return before, after, peak

@@ -178,6 +178,21 @@ class ShardedState:
                 off += k
         return sent
 
+    def sync_transient_bytes(self, group: dist.ProcessGroup, ws: int) -> int:
+        """Bytes ``sync_full_from_master`` allocates at once: the flat shards of the parameters not
+        gathered in place, and their gathered copy (ws times as large)."""
+        if self.strategy not in ("zero1", "zero2") or ws == 1:
+            return 0
+        flat = 0
+        for n in self.names:
+            full, lay = self.full[n], self.layouts[n]
+            if not self.trainable[n]:
+                continue
+            if not (lay.pad_rows == 0 and full.is_contiguous() and full.numel() * full.element_size() >= IN_PLACE_BYTES
+                    and not _host_staged(group, full)):
+                flat += lay.local_numel * full.element_size()
+        return (ws + 1) * flat
+
     @torch.no_grad()
     def gather_full(self, name: str, group: dist.ProcessGroup, ws: int) -> torch.Tensor:
         """The whole value of parameter ``name`` (collective: every rank must call it)."""
