@@ -50,6 +50,13 @@ def _explain_parser(sub) -> None:
     _model_args(p)
     p.add_argument("--link-profile", default=None,
                    help="a JSON profile from `shardwise calibrate`, or a preset name (default: per backend)")
+    p.add_argument("--profile", action="store_true",
+                   help="measure each compute node on this device (max over ranks) instead of the roofline")
+    p.add_argument("--png", default=None, help="write the predicted timeline of the step (compute and "
+                   "communication lanes) to this PNG")
+    p.add_argument("--trace", default=None, help="profile one real step with torch.profiler, write its chrome "
+                   "trace here and print the measured exposed communication")
+    p.add_argument("--compile", choices=["fx", "inductor"], default="fx", help="executor of the step graph")
 
 
 def explain_main(args) -> None:
@@ -62,12 +69,38 @@ def explain_main(args) -> None:
     mesh = sw.mesh()
     model, seq, mp = _build_model(args, mesh)
     job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), strategy=args.strategy, mesh=mesh,
-                     mixed_precision=mp, link_profile=args.link_profile)
+                     mixed_precision=mp, link_profile=args.link_profile, compile=args.compile)
     x, y = (t.to(mesh.device) for t in SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed).get(0, dist.get_rank()))
+    mem = job.predict_memory((x, y))  # before the first step: nothing has run yet
+    job.time_optimizer = True
     job.step((x, y))
+    job.step((x, y))
+    if args.profile:
+        job.profile_compute((x, y))
+    pred = job.predict_step((x, y))
     text = job.explain()
+    meas = None
+    if args.trace:
+        _, meas = job.profile_step((x, y), trace=args.trace if dist.get_rank() == 0 else None)
+    from shardwise.runtime.memory import measure
+
+    _, peak = measure(job, lambda: job.step((x, y)))
     if dist.get_rank() == 0:
-        print(text, flush=True)
+        print(text)
+        print(f"predicted step {pred['step_s'] * 1e3:.2f} ms = graph {pred['graph_s'] * 1e3:.2f} ms (compute "
+              f"{pred['compute_source']}) + optimizer {pred['optimizer_s'] * 1e3:.2f} ms; measured last step "
+              f"{job.last_step_s * 1e3:.2f} ms")
+        print(f"predicted peak {_fmt_bytes(mem['peak'])} per rank (resident {_fmt_bytes(mem['peak'] - max(mem['graph_peak'], mem['optimizer_step'], mem['gather_back']) - mem['batch'])}"
+              f" + step {_fmt_bytes(max(mem['graph_peak'], mem['optimizer_step'], mem['gather_back']))}); measured {_fmt_bytes(peak)}")
+        if meas is not None:
+            print(f"measured (torch.profiler): step {meas['step_s'] * 1e3:.2f} ms, exposed communication "
+                  f"{meas['exposed_s'] * 1e3:.2f} ms ({meas['exposed_pct']:.1f}%); chrome trace: {args.trace}")
+        if args.png:
+            from shardwise.costmodel.plot import plot_timeline
+
+            plot_timeline(pred["timeline"], args.png, f"{args.model}/{args.size} {args.strategy} ws={mesh.dp}")
+            print(f"timeline: {args.png}")
+        sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
 

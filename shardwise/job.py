@@ -148,6 +148,9 @@ class Job:
         self.last_comm_bytes = 0
         self.last_grad_norm: torch.Tensor | None = None
         self.steps = 0
+        self.time_optimizer = False  # set to time the optimizer phase of each step (syncs the GPU)
+        self.last_optimizer_s: float | None = None
+        self._node_times: dict[tuple, dict[str, float]] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -295,12 +298,20 @@ class Job:
             self.last_grad_norm, sent = self.state.clip_grad_norm_(grads, self.clip_grad_norm, self.group, self.ws)
             self.last_comm_bytes += sent
         self.state.set_grads(grads)
+        t_opt = self._sync_clock()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.last_comm_bytes += self.state.sync_full_from_master(self.group, self.ws)
+        if self.time_optimizer:
+            self.last_optimizer_s = self._sync_clock() - t_opt
         self.last_step_s = time.perf_counter() - t0
         self.steps += 1
         return loss.detach()
+
+    def _sync_clock(self) -> float:
+        if self.time_optimizer and self.mesh.device.type == "cuda":
+            torch.cuda.synchronize(self.mesh.device)
+        return time.perf_counter()
 
     def eval_step(self, batch) -> torch.Tensor:
         """Forward only, in eval mode (dropout off): the loss averaged over data-parallel ranks."""
@@ -382,6 +393,54 @@ class Job:
         return {**res, "batch": on_dev, "graph_peak": live.peak, "graph_peak_at": live.peak_at,
                 "grads": live.outputs, "optimizer_step": after, "gather_back": sync, "peak": peak}
 
+    def profile_compute(self, batch) -> dict[str, float]:
+        """Measure each compute node of the step program for ``batch`` on this device (max over ranks;
+        a collective: every rank must call it). The cost model uses these times instead of the
+        roofline from then on."""
+        from .runtime.profile import node_times
+
+        prog, _ = self._program(batch, "step")
+        tensors, _, _ = flatten_batch(batch)
+        times = node_times(prog.gm, self._inputs(prog, tensors), self.mesh.device, self.ctrl)
+        self._node_times[self._key(batch, "step")] = times
+        return times
+
+    def _key(self, batch, mode):
+        tensors, consts, spec = flatten_batch(batch)
+        return (batch_signature(spec, consts, tensors), mode)
+
+    def predict_step(self, batch) -> dict[str, float]:
+        """Predicted step time for ``batch``: the two-lane simulation of the step program — measured
+        compute where ``profile_compute`` ran (roofline otherwise), α-β collectives — plus the optimizer
+        phase (measured when ``time_optimizer`` was on for a step, else memory-bound roofline)."""
+        from .costmodel import node_time, simulate
+
+        prog, _ = self._program(batch, "step")
+        lp, dev = self.cost_inputs()
+        measured = self._node_times.get(self._key(batch, "step"))
+        if measured is not None:
+            compute = lambda n: measured.get(n.name, 0.0)  # noqa: E731
+        else:
+            compute = lambda n: node_time(n, dev)  # noqa: E731
+        tl = simulate(prog.gm, compute, lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
+        if self.last_optimizer_s is not None:
+            opt = self.last_optimizer_s
+        else:
+            # AdamW-like: read parameter, gradient, two moments; write parameter and moments
+            nbytes = sum(t.numel() * t.element_size() for t in self.state.opt_tensors.values())
+            opt = 7 * nbytes / dev.bandwidth
+        return {"step_s": tl.step_s + opt, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
+                "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s,
+                "compute_source": "measured" if measured is not None else "roofline", "timeline": tl}
+
+    def profile_step(self, batch, trace: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Run one real step under torch.profiler: (loss, {step_s, comm_s, exposed_s, exposed_pct});
+        ``trace`` saves the chrome trace. Exposed communication: NCCL kernel time not overlapped by
+        other kernels on GPUs; time blocked in collective waits on gloo."""
+        from .runtime.profile import profiled
+
+        return profiled(lambda: self.step(batch), self.mesh.device, trace)
+
     def explain(self) -> str:
         """The plan: strategy, mesh, placements, and per compiled program its collectives with bytes,
         predicted time and exposure, and the predicted step (two-lane simulation of the schedule)."""
@@ -396,15 +455,28 @@ class Job:
             def comm(n, ws=self.ws):
                 return lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], ws)
 
-            tl = simulate(prog.gm, lambda n: node_time(n, dev), comm)
+            measured = self._node_times.get((sig, mode))
+            src = "measured" if measured is not None else "roofline"
+            tl = simulate(prog.gm, (lambda n: measured.get(n.name, 0.0)) if measured is not None
+                          else (lambda n: node_time(n, dev)), comm)
             lines.append(
                 f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
                 f"reduce_scatter={c['reduce_scatter']} all_reduce={c['all_reduce']}; {prog.comm_bytes() / 2**20:.2f} MiB "
-                f"sent per rank; predicted step {tl.step_s * 1e3:.2f} ms = compute {tl.compute_s * 1e3:.2f} ms + "
+                f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
                 f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
             if prog.schedule:
-                lines.append(f"  schedule: cap {prog.schedule['max_in_flight'] / 2**20:.2f} MiB in flight")
+                ops = prog.schedule.get("max_ops")
+                lines.append(f"  schedule: cap {prog.schedule['max_in_flight'] / 2**20:.2f} MiB in flight"
+                             + (f", {ops} collective(s) at a time" if ops else ""))
+            if mode == "step":
+                from .costmodel import liveness
+
+                live = liveness(prog.gm)
+                res = self.resident_bytes()
+                lines.append(f"  memory: resident {sum(res.values()) / 2**20:.2f} MiB ("
+                             + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res.items())
+                             + f"), graph peak +{live.peak / 2**20:.2f} MiB at {live.peak_at}")
             lines.append(f"  {'collective':15s} {'phase':5s} {'sent/rank':>10s} {'pred µs':>9s}  param(s)")
             for n in prog.collective_nodes():
                 sw = n.meta["sw"]

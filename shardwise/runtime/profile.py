@@ -1,0 +1,141 @@
+"""Measured time: per-node compute of a step graph, and exposed communication of a real step.
+
+``node_times`` runs a program node by node (an ``fx.Interpreter``), timing each compute node with
+CUDA events on a GPU and the wall clock on a CPU, and takes the maximum over ranks so that every
+rank holds the same numbers (the slowest rank sets the pace of a synchronous step). Collective
+starts and waits are not compute and are left out: the cost model times them with its α-β profile.
+
+``exposed_comm`` reads a ``torch.profiler`` trace of a real step: on GPUs, the time NCCL kernels run
+while no other kernel does; on gloo ranks, the time the main thread spends blocked in waits.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+_C10D = "_c10d_functional"
+
+
+def _is_comm(n: fx.Node) -> bool:
+    return n.meta.get("sw") is not None or _C10D in str(n.target)
+
+
+class _Timer(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, cuda: bool):
+        super().__init__(gm)
+        self.cuda = cuda
+        self.marks: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node):
+        if n.op != "call_function" or _is_comm(n):
+            return super().run_node(n)
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = super().run_node(n)
+            b.record()
+            self.marks[n.name] = (a, b)
+            return out
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        self.marks[n.name] = time.perf_counter() - t0
+        return out
+
+    def seconds(self) -> dict[str, float]:
+        if not self.cuda:
+            return dict(self.marks)
+        torch.cuda.synchronize()
+        return {k: a.elapsed_time(b) / 1e3 for k, (a, b) in self.marks.items()}
+
+
+@torch.no_grad()
+def node_times(gm: fx.GraphModule, inputs: list, device: torch.device, group: dist.ProcessGroup | None = None,
+               reps: int = 2) -> dict[str, float]:
+    """Seconds per compute node of ``gm`` run on ``inputs`` (the fastest of ``reps`` runs per node, then
+    the maximum over the ranks of ``group``). The RNG state is restored, so profiling does not shift
+    dropout masks of the training that follows."""
+    cuda = device.type == "cuda"
+    cpu_rng = torch.get_rng_state()
+    gpu_rng = torch.cuda.get_rng_state(device) if cuda else None
+    best: dict[str, float] = {}
+    try:
+        for _ in range(reps):
+            t = _Timer(gm, cuda)
+            t.run(*inputs)
+            for k, v in t.seconds().items():
+                best[k] = min(v, best.get(k, v))
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda:
+            torch.cuda.set_rng_state(gpu_rng, device)
+    if group is not None and dist.get_world_size(group) > 1:
+        names = [n.name for n in gm.graph.nodes if n.name in best]  # graph order: the same on every rank
+        v = torch.tensor([best[k] for k in names], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
+        best = dict(zip(names, v.tolist()))
+    return best
+
+
+def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(iv) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _subtract(iv, cut) -> float:
+    """Length of the union ``iv`` not covered by the union ``cut`` (both merged, sorted)."""
+    total, j = 0.0, 0
+    for a, b in iv:
+        covered = 0.0
+        while j < len(cut) and cut[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cut) and cut[k][0] < b:
+            covered += min(b, cut[k][1]) - max(a, cut[k][0])
+            k += 1
+        total += (b - a) - covered
+    return total
+
+
+def exposed_comm(prof) -> dict[str, float]:
+    """Communication (s) and the part of it not overlapped with compute, from a profiler trace."""
+    gpu = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in prof.events() if e.device_type == gpu]
+    if kernels:
+        comm = _merge([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
+        comp = _merge([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
+        return {"comm_s": _length(comm) / 1e6, "exposed_s": _subtract(comm, comp) / 1e6}
+    waits = _merge([(e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.name.endswith("wait_tensor") or e.name in ("c10d::wait", "aten::wait")])
+    return {"comm_s": None, "exposed_s": _length(waits) / 1e6}
+
+
+def profiled(fn: Callable[[], Any], device: torch.device, trace: str | None = None) -> tuple[Any, dict[str, float]]:
+    """Run ``fn`` (one training step) under ``torch.profiler``; returns (its result, {step_s, comm_s,
+    exposed_s, exposed_pct}); ``trace`` writes the chrome trace (open in chrome://tracing or Perfetto)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step = time.perf_counter() - t0
+    if trace:
+        prof.export_chrome_trace(trace)
+    ex = exposed_comm(prof)
+    return out, {"step_s": step, **ex, "exposed_pct": 100.0 * ex["exposed_s"] / step if step else 0.0}
