@@ -1,4 +1,4 @@
-"""``shardwise`` command line: train, explain, calibrate."""
+"""``shardwise`` command line: train, explain, calibrate, bench."""
 
 from __future__ import annotations
 
@@ -132,6 +132,44 @@ def _model_args(p) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32",
                    help="fp32; bf16 = bf16 compute with fp32 master weights and fp32 reduction; fp64")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+
+
+def _bench_parser(sub) -> None:
+    from shardwise.bench import SYSTEMS
+
+    p = sub.add_parser(
+        "bench",
+        help="shardwise and its peers (torch.compile, DDP, FSDP2, DeepSpeed) on one model, in one run",
+        description="Runs each system on the same built-in model, batch, precision and checkpointing setting, "
+        "one after another on the same ranks, and writes JSON (step time, tokens/s per GPU, MFU, peak memory, "
+        "exposed communication, shardwise's predictions) and a bar plot to --out. Under torchrun on GPUs it "
+        "uses NCCL; otherwise it spawns --nproc gloo ranks on this machine.",
+    )
+    _model_args(p)
+    p.add_argument("--systems", default="shardwise,shardwise-noopt,compile,ddp,fsdp2",
+                   help=f"comma-separated, from: {', '.join(SYSTEMS)}")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per system (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per system, compilation included (default 2)")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block, every system")
+    p.add_argument("--compile", choices=["auto", "fx", "inductor"], default="auto",
+                   help="shardwise's executor (auto: inductor on CUDA, fx on CPU)")
+    p.add_argument("--out", default="bench/results", help="directory for the JSON and PNG (default bench/results)")
+    p.add_argument("--name", default=None, help="run name (default: date-bench-model-size-wsN-device)")
+
+
+def bench_main(args) -> None:
+    import torch.distributed as dist
+
+    from shardwise.bench import BenchConfig, bench
+    from shardwise.runtime.mesh import ensure_process_group
+
+    cfg = BenchConfig(model=args.model, size=args.size, batch=args.batch, seq=args.seq, precision=args.precision,
+                      checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
+                      warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s])
+    ensure_process_group()
+    bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _calibrate_parser(sub) -> None:
@@ -295,8 +333,11 @@ def main(argv=None) -> int:
     _train_parser(sub)
     _explain_parser(sub)
     _calibrate_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
-    fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main}[args.cmd]
+    if args.cmd == "bench" and args.precision == "fp64":
+        parser.error("bench: --precision must be fp32 or bf16")
+    fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main, "bench": bench_main}[args.cmd]
     from shardwise.runtime.launch import spawn, under_launcher
 
     if under_launcher():

@@ -1,0 +1,367 @@
+"""``shardwise bench``: shardwise and its peers on the same model, batch and precision, in one run.
+
+Every system trains the same built-in model from the same seed on the same synthetic batches per
+rank, with the same precision policy (bf16 compute with fp32 weights, optimizer and gradient
+reduction; or fp32) and the same activation-checkpointing setting, then:
+
+- ``step_s``: median wall time of the timed steps (each ended by a device sync and a barrier);
+- ``tokens_per_s_per_gpu``: batch x sequence per rank / step_s; ``mfu``: model FLOPs per token
+  (6N + 12·L·d·T, PaLM's formula) x tokens/s against the device's dense bf16 peak;
+- ``peak_mem_gb``: ``max_memory_allocated`` over the timed steps (CUDA), MemTracker's live-tensor
+  peak of one step (CPU);
+- ``exposed_comm_pct``: from a torch.profiler trace of one step (runtime/profile.py);
+- shardwise only: ``pred_step_s`` and ``pred_peak_mem_gb`` from its cost model, made before the
+  timed steps.
+
+Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off), ``compile``
+(plain torch.compile on each rank's batch, no communication: the single-device ceiling), ``ddp``,
+``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (the same, then torch.compile),
+``deepspeed`` (ZeRO-3) and ``deepcompile`` where deepspeed is installed on a CUDA machine. A system
+that fails (out of memory, missing package) is recorded with its error; the others still run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+SYSTEMS = ("shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2", "fsdp2-compile", "deepspeed", "deepcompile")
+
+# dense bf16 peak FLOP/s from the datasheets (MFU is quoted against these, as the literature does)
+PEAK_BF16 = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
+
+
+@dataclass
+class BenchConfig:
+    model: str = "gpt"
+    """Built-in model (gpt, llama, moe)."""
+    size: str = "small"
+    """Model preset (tiny, small, 124m, 1b, 3b, 8b)."""
+    batch: int = 8
+    """Sequences per rank per step."""
+    seq: int | None = None
+    """Sequence length; None: the model's."""
+    precision: str = "fp32"
+    """fp32, or bf16 (bf16 compute, fp32 master weights, optimizer and reduction) for every system."""
+    checkpoint: bool = False
+    """Activation checkpointing per block, for every system."""
+    strategy: str = "zero3"
+    """shardwise's strategy."""
+    executor: str = "auto"
+    """shardwise's executor: fx, inductor, or auto (inductor on CUDA, fx on CPU)."""
+    steps: int = 5
+    """Timed steps per system."""
+    warmup: int = 2
+    """Untimed steps first (compilation happens here)."""
+    lr: float = 1e-4
+    seed: int = 0
+    systems: list[str] = field(default_factory=lambda: ["shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2"])
+
+    def __post_init__(self):
+        bad = [s for s in self.systems if s not in SYSTEMS]
+        if bad:
+            raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
+        if self.executor not in ("auto", "fx", "inductor"):
+            raise ValueError(f"bench: executor must be auto, fx or inductor, got {self.executor!r}")
+        if self.steps < 1 or self.warmup < 1:
+            raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _model(cfg: BenchConfig, device):
+    from .models import build
+
+    torch.manual_seed(cfg.seed)
+    return build(cfg.model, cfg.size, checkpoint=cfg.checkpoint).to(device)
+
+
+def flops_per_token(model, seq: int) -> float:
+    """6N + 12·L·d·T (PaLM): N parameters, L layers, d model width, T sequence length."""
+    n = sum(p.numel() for p in model.parameters())
+    c = model.cfg
+    return 6.0 * n + 12.0 * c.n_layer * c.d_model * seq
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(cfg, device):
+    if cfg.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _peer(system: str, cfg: BenchConfig, model, device):
+    """(step function taking a batch and returning the loss, optimizer) for a peer system."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if system in ("deepspeed", "deepcompile"):
+        return _deepspeed(system, cfg, model, device)
+    if system in ("fsdp2", "fsdp2-compile"):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if cfg.precision == "bf16" else MixedPrecisionPolicy()
+        for blk in model.blocks:
+            fully_shard(blk, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        run = torch.compile(model) if system == "fsdp2-compile" else model
+        amp = False  # FSDP2 casts the parameters itself
+    elif system == "ddp":
+        run = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        amp = cfg.precision == "bf16"
+    else:  # compile: this rank alone, no communication
+        run = torch.compile(model)
+        amp = cfg.precision == "bf16"
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    def step(batch):
+        with _autocast(cfg, device) if amp else contextlib.nullcontext():
+            loss = run(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, opt
+
+
+def _deepspeed(system, cfg, model, device):
+    if device.type != "cuda" or importlib.util.find_spec("deepspeed") is None:
+        raise RuntimeError("deepspeed is not installed on this CUDA machine (or this is not a CUDA machine)")
+    import deepspeed
+
+    conf = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
+            "bf16": {"enabled": cfg.precision == "bf16"}}
+    if system == "deepcompile":
+        conf["compile"] = {"deepcompile": True}
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+    if system == "deepcompile":
+        engine.compile()
+
+    def step(batch):
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step, opt
+
+
+def _cpu_peak(fn, model, opt) -> int | None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    try:
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            fn()
+        peak = mt.get_tracker_snapshot("peak")
+        return int(sum(d.get("Total", 0) for d in peak.values()))
+    except Exception:  # noqa: BLE001 - MemTracker does not follow every wrapper; then no number
+        fn()
+        return None
+
+
+def run_system(system: str, cfg: BenchConfig) -> dict:
+    """Build, warm up, time and profile one system on this rank; returns its result row."""
+    import shardwise as sw
+
+    from .data import SyntheticStream
+    from .runtime.memory import measure
+    from .runtime.profile import profiled
+
+    device = _device()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = _model(cfg, device)
+    seq = cfg.seq or model.cfg.seq
+    fpt = flops_per_token(model, seq)
+    data = SyntheticStream(model.cfg.vocab, seq, cfg.batch, cfg.seed)
+    batches = [tuple(t.to(device) for t in data.get(i, rank)) for i in range(cfg.warmup + cfg.steps + 2)]
+    row = {"system": system, "step_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "peak_mem_gb": None,
+           "exposed_comm_pct": None, "pred_step_s": None, "pred_peak_mem_gb": None}
+    pred = None
+    if system.startswith("shardwise"):
+        mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if cfg.precision == "bf16" else None
+        executor = cfg.executor if cfg.executor != "auto" else ("inductor" if device.type == "cuda" else "fx")
+        job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=cfg.lr), strategy=cfg.strategy,
+                         mesh=sw.mesh(), mixed_precision=mp, compile=executor, schedule=system == "shardwise")
+        row["pred_peak_mem_gb"] = job.predict_memory(batches[0])["peak"] / 1e9
+        step, opt = job.step, job.optimizer
+        job.time_optimizer = True
+    else:
+        step, opt = _peer(system, cfg, model, device)
+    for i in range(cfg.warmup):
+        step(batches[i])
+    if system.startswith("shardwise"):
+        job.profile_compute(batches[0])
+        pred = job.predict_step(batches[0])
+        row["pred_step_s"] = pred["step_s"]
+        job.time_optimizer = False
+    _sync(device)
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(cfg.steps):
+        t0 = time.perf_counter()
+        loss = step(batches[cfg.warmup + i])
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    float(loss)
+    if device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    else:
+        b = batches[cfg.warmup + cfg.steps]
+        peak = measure(job, lambda: step(b))[1] if system.startswith("shardwise") else _cpu_peak(lambda: step(b), model, opt)
+        row["peak_mem_gb"] = None if peak is None else peak / 1e9
+    _, meas = profiled(lambda: step(batches[-1]), device)
+    if device.type == "cuda" or system.startswith("shardwise"):
+        row["exposed_comm_pct"] = meas["exposed_pct"]
+    # every rank's median; the job runs at the pace of the slowest rank
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    row["step_s"] = float(med)
+    row["tokens_per_s_per_gpu"] = cfg.batch * seq / row["step_s"]
+    peak_flops = _peak_flops(device)
+    if peak_flops:
+        row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / peak_flops
+    row["ranks"] = ws
+    return row
+
+
+def _peak_flops(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def _versions() -> dict:
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("triton", "deepspeed", "transformers"):
+        if importlib.util.find_spec(pkg) is not None:
+            try:
+                v[pkg] = __import__(pkg).__version__
+            except Exception:  # noqa: BLE001
+                v[pkg] = "present"
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        v["shardwise"] = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        v["shardwise"] = "unknown"
+    return v
+
+
+def _machine(device) -> str:
+    cpu = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(device)}, {os.cpu_count()} CPU cores"
+    return f"{os.cpu_count()} CPU cores ({cpu}), gloo"
+
+
+def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = None, command: str | None = None) -> dict | None:
+    """Run every system of ``cfg`` on this job's ranks; rank 0 writes ``<out_dir>/<name>.json`` and
+    ``.png`` and returns the record (other ranks return None)."""
+    device = _device()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for system in cfg.systems:
+        t0 = time.perf_counter()
+        try:
+            row = run_system(system, cfg)
+            err = ""
+        except Exception as e:  # noqa: BLE001 - recorded, the next system still runs
+            row = {"system": system, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            err = row["error"]
+        # agree: a system counts only if it ran on every rank
+        errs: list = [None] * ws
+        dist.all_gather_object(errs, err)
+        if any(errs):
+            row = {"system": system, "error": next(e for e in errs if e)}
+        row["wall_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        if rank == 0:
+            print(_fmt_row(row), flush=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        dist.barrier()
+    if rank != 0:
+        return None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = name or f"{now:%Y-%m-%d}-bench-{cfg.model}-{cfg.size}-ws{ws}-{device.type}"
+    rec = {"name": name, "date": now.isoformat(timespec="seconds"), "machine": _machine(device), "gpus": ws if device.type == "cuda" else 0,
+           "versions": _versions(), "command": command or " ".join(sys.argv), "config": {**asdict(cfg), "ranks": ws},
+           "results": rows}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name + ".json")
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=1)
+    try:
+        plot(rec, os.path.join(out_dir, name + ".png"))
+        print(f"wrote {path} and {name}.png", flush=True)
+    except ImportError as e:
+        print(f"wrote {path}; no plot: {e} (pip install matplotlib)", flush=True)
+    return rec
+
+
+def _fmt_row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['system']:16s} failed: {r['error']}"
+
+    def f(k, fmt):
+        return format(r[k], fmt) if r.get(k) is not None else "-"
+
+    return (f"{r['system']:16s} step {f('step_s', '.4f')} s  tok/s/gpu {f('tokens_per_s_per_gpu', ',.0f')}  "
+            f"mfu {f('mfu', '.3f')}  peak {f('peak_mem_gb', '.3f')} GB  exposed comm {f('exposed_comm_pct', '.1f')}%  "
+            f"pred step {f('pred_step_s', '.4f')} s  pred peak {f('pred_peak_mem_gb', '.3f')} GB  ({r['wall_s']} s)")
+
+
+def plot(rec: dict, path: str) -> str:
+    """Bar plot of tokens/s per GPU per system, step time and peak memory written on the bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rec["results"] if r.get("tokens_per_s_per_gpu")]
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(ok) + 2), 4))
+    xs = range(len(ok))
+    ax.bar(xs, [r["tokens_per_s_per_gpu"] for r in ok], color=["tab:blue" if r["system"].startswith("shardwise")
+                                                              else "tab:gray" for r in ok])
+    for x, r in zip(xs, ok):
+        mem = f"\n{r['peak_mem_gb']:.2f} GB" if r.get("peak_mem_gb") is not None else ""
+        ax.text(x, r["tokens_per_s_per_gpu"], f"{r['step_s'] * 1e3:.0f} ms{mem}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), [r["system"] for r in ok], rotation=20, fontsize=8)
+    ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
+    c = rec["config"]
+    ax.set_title(f"{c['model']}/{c['size']} batch {c['batch']}x{c['seq'] or 'default'} {c['precision']} "
+                 f"ckpt={c['checkpoint']} ranks={c['ranks']}\n{rec['machine']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
