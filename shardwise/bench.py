@@ -185,8 +185,9 @@ def _cpu_peak(fn, model, opt) -> int | None:
         return None
 
 
-def run_system(system: str, cfg: BenchConfig) -> dict:
-    """Build, warm up, time and profile one system on this rank; returns its result row."""
+def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
+    """Build, warm up, time and profile one system on this rank; returns its result row. ``ctrl`` is a
+    gloo group for the small host-side agreements (the default group may be NCCL)."""
     import shardwise as sw
 
     from .data import SyntheticStream
@@ -242,7 +243,7 @@ def run_system(system: str, cfg: BenchConfig) -> dict:
         row["exposed_comm_pct"] = meas["exposed_pct"]
     # every rank's median; the job runs at the pace of the slowest rank
     med = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctrl)
     row["step_s"] = float(med)
     row["tokens_per_s_per_gpu"] = cfg.batch * seq / row["step_s"]
     peak_flops = _peak_flops(device)
@@ -288,18 +289,22 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
     ``.png`` and returns the record (other ranks return None)."""
     device = _device()
     rank, ws = dist.get_rank(), dist.get_world_size()
+    ctrl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     rows = []
     for system in cfg.systems:
         t0 = time.perf_counter()
         try:
-            row = run_system(system, cfg)
+            row = run_system(system, cfg, ctrl)
             err = ""
         except Exception as e:  # noqa: BLE001 - recorded, the next system still runs
             row = {"system": system, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             err = row["error"]
+            import traceback
+
+            traceback.print_exc()
         # agree: a system counts only if it ran on every rank
         errs: list = [None] * ws
-        dist.all_gather_object(errs, err)
+        dist.all_gather_object(errs, err, group=ctrl)
         if any(errs):
             row = {"system": system, "error": next(e for e in errs if e)}
         row["wall_s"] = round(time.perf_counter() - t0, 1)
