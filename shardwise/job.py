@@ -384,7 +384,7 @@ class Job:
 
         prog, _ = self._program(batch, "step")
         res = self.resident_bytes()
-        live = liveness(prog.gm)
+        live = liveness(prog.gm, fused=self.compile_mode == "inductor")
         tensors, _, _ = flatten_batch(batch)
         on_dev = sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
         after = live.outputs + optimizer_transient(self.optimizer)
@@ -443,15 +443,18 @@ class Job:
         else:
             compute = lambda n: node_time(n, dev)  # noqa: E731
         tl = simulate(prog.gm, compute, lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
-        if self.last_optimizer_s is not None:
-            opt = self.last_optimizer_s
-        else:
-            # AdamW-like: read parameter, gradient, two moments; write parameter and moments
-            nbytes = sum(t.numel() * t.element_size() for t in self.state.opt_tensors.values())
-            opt = 7 * nbytes / dev.bandwidth
+        opt = self._optimizer_s(dev)
         return {"step_s": tl.step_s + opt, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
                 "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s,
                 "compute_source": "measured" if measured is not None else "roofline", "timeline": tl}
+
+    def _optimizer_s(self, dev) -> float:
+        """The optimizer phase: measured if a step ran with ``time_optimizer``, else a memory-bound
+        roofline of AdamW (read parameter, gradient and two moments; write parameter and moments)."""
+        if self.last_optimizer_s is not None:
+            return self.last_optimizer_s
+        nbytes = sum(t.numel() * t.element_size() for t in self.state.opt_tensors.values())
+        return 7 * nbytes / dev.bandwidth
 
     def profile_step(self, batch, trace: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Run one real step under torch.profiler: (loss, {step_s, comm_s, exposed_s, exposed_pct});
@@ -492,7 +495,10 @@ class Job:
             if mode == "step":
                 from .costmodel import liveness
 
-                live = liveness(prog.gm)
+                opt = self._optimizer_s(dev)
+                lines.append(f"  predicted step {(tl.step_s + opt) * 1e3:.2f} ms = graph + optimizer {opt * 1e3:.2f} ms")
+
+                live = liveness(prog.gm, fused=self.compile_mode == "inductor")
                 res = self.resident_bytes()
                 lines.append(f"  memory: resident {sum(res.values()) / 2**20:.2f} MiB ("
                              + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res.items())

@@ -33,3 +33,11 @@ def test_cuda_fp32_parity_ws2(pools, strategy):
     over = (("bias", False),)
     check(pools, "gpt", strategy, "fp32", 2, steps=10, over=over, device="cuda", ref_device="cuda",
           loss_tol=1e-5, param_tol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cuda_parity_nccl_ws2(pools, strategy, name):
+    # two GPUs over NCCL, scheduler on (several collectives in flight on NCCL's stream)
+    check(pools, name, strategy, "fp64", 2, steps=4, device="cuda", backend="nccl", loss_tol=1e-10, param_tol=1e-10)

@@ -22,12 +22,39 @@ import torch.fx as fx
 from .compute import _bytes
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+aten = torch.ops.aten
+
+
+# ops inductor hands to a library kernel (or a collective): their inputs must exist as buffers
+_EXTERN = ("mm.", "bmm.", "addmm.", "baddbmm.", "scaled_dot_product", "convolution", "_c10d_functional")
+
+
+def _extern(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.meta.get("sw") is not None or any(k in str(n.target) for k in _EXTERN))
+
+
+def _pointwise(n: fx.Node) -> bool:
+    t = n.target
+    return t is aten._to_copy.default or torch.Tag.pointwise in getattr(t, "tags", ())
+
+
+READS = 4
+"""Inductor realizes (stores) an elementwise result with several consumers once it reads more than
+this many buffers (its ``realize_reads_threshold``); below that each consumer recomputes it."""
+
+
+def _inlined(n: fx.Node, out: fx.Node, reads: frozenset) -> bool:
+    """Inductor computes this elementwise node inside its consumers' kernels rather than storing it:
+    not a graph output, not the input of a library kernel, and one consumer or few buffers read."""
+    if not _pointwise(n) or out in n.users or any(_extern(u) for u in n.users):
+        return False
+    return len(n.users) == 1 or len(reads) <= READS
 
 
 def _aliases_input(node: fx.Node) -> bool:
     """True when ``node``'s result shares storage with its first tensor argument."""
     t = node.target
-    if t is operator.getitem or t is WAIT:
+    if t is operator.getitem or t is WAIT or t is aten._unsafe_view.default:
         return True  # a wait returns the collective's own output buffer
     schema = getattr(t, "_schema", None)
     if schema is None:
@@ -49,36 +76,45 @@ class Liveness:
     """Live bytes after each node, in node order."""
 
 
-def liveness(gm: fx.GraphModule) -> Liveness:
-    """Simulate the live bytes of ``gm`` executed in node order (see the module docstring)."""
+def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
+    """Simulate the live bytes of ``gm`` executed in node order (see the module docstring).
+
+    ``fused`` models inductor's code instead of the FX executor's: an elementwise node whose result
+    is not a graph output and feeds no library kernel (matrix product, attention, collective) is
+    computed inside its consumers' kernels (see ``_inlined``), so it allocates nothing and instead
+    keeps the buffers it reads alive until its consumers run. Composite ops inductor decomposes
+    (softmax, layer norm) still count as stored, so this errs high; measured on an H200 (1.1B Llama)
+    it came within 7% low, and on CPU (small GPT) within 8-16% high: a model, not a measurement.
+    """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    owner: dict[fx.Node, fx.Node | None] = {}
+    out = gm.graph.find_nodes(op="output")[0]
+    owners: dict[fx.Node, frozenset] = {}
     size: dict[fx.Node, int] = {}
     for n in nodes:
         if n.op == "placeholder":
-            owner[n] = None
+            owners[n] = frozenset()
         elif n.op == "call_function":
             src = next(iter(n.all_input_nodes), None)
             if _aliases_input(n) and src is not None:
-                owner[n] = owner.get(src)
+                owners[n] = owners.get(src, frozenset())
+            elif fused and _inlined(n, out, reads := frozenset().union(*(owners.get(a, frozenset())
+                                                                       for a in n.all_input_nodes))):
+                owners[n] = reads
             else:
-                owner[n] = n
+                owners[n] = frozenset([n])
                 size[n] = _bytes(n.meta.get("val"))
     end = len(nodes)
     last: dict[fx.Node, int] = {o: pos[o] for o in size}
-    out = gm.graph.find_nodes(op="output")[0]
     outputs = set()
     for n in nodes:
         for a in n.all_input_nodes:
-            o = owner.get(a)
-            if o is None:
-                continue
-            if n is out:
-                last[o] = end
-                outputs.add(o)
-            else:
-                last[o] = max(last[o], pos[n])
+            for o in owners.get(a, ()):
+                if n is out:
+                    last[o] = end
+                    outputs.add(o)
+                else:
+                    last[o] = max(last[o], pos[n])
     frees: dict[int, int] = {}
     for o, i in last.items():
         frees[i] = frees.get(i, 0) + size[o]
