@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -42,6 +43,12 @@ class MixedPrecision:
     def __post_init__(self):
         object.__setattr__(self, "param_dtype", _dtype(self.param_dtype, "param_dtype"))
         object.__setattr__(self, "reduce_dtype", _dtype(self.reduce_dtype, "reduce_dtype"))
+
+
+def _rank_free(code: str) -> str:
+    """Graph code without device indices: rank r runs the same plan on ``cuda:r``."""
+    code = re.sub(r"device\(type='(\w+)', index=\d+\)", r"device(type='\1')", code)
+    return re.sub(r"'(cuda|xpu|hpu):\d+'", r"'\1'", code)
 
 
 EXECUTORS = (None, "fx", "inductor")
@@ -228,7 +235,7 @@ class Job:
                 except RuntimeError:
                     pass
                 raise
-            code_hash = hashlib.sha256(prog.gm.code.encode()).hexdigest()
+            code_hash = hashlib.sha256(_rank_free(prog.gm.code).encode()).hexdigest()
             self._agree(f"graph {code_hash}", "graph")
             self._programs[key] = (prog, self._executor(prog))
         return self._programs[key]
