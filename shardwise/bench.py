@@ -13,7 +13,8 @@ reduction; or fp32) and the same activation-checkpointing setting, then:
 - shardwise only: ``pred_step_s`` and ``pred_peak_mem_gb`` from its cost model, made before the
   timed steps.
 
-Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off), ``compile``
+Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off) — either may
+carry options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` — ``compile``
 (plain torch.compile on each rank's batch, no communication: the single-device ceiling), ``ddp``,
 ``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (the same, then torch.compile),
 ``deepspeed`` (ZeRO-3) and ``deepcompile`` where deepspeed is installed on a CUDA machine. A system
@@ -71,7 +72,7 @@ class BenchConfig:
     systems: list[str] = field(default_factory=lambda: ["shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2"])
 
     def __post_init__(self):
-        bad = [s for s in self.systems if s not in SYSTEMS]
+        bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
         if bad:
             raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
         if self.precision not in ("fp32", "bf16"):
@@ -170,6 +171,24 @@ def _deepspeed(system, cfg, model, device):
     return step, opt
 
 
+# options a shardwise system may carry after a colon: ``shardwise:ops=1+inflight_mb=64+bucket_mb=128``
+_OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb", float),
+            "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str)}
+
+
+def _options(system: str) -> dict:
+    if ":" not in system:
+        return {}
+    out = {}
+    for item in system.split(":", 1)[1].split("+"):
+        k, _, v = item.partition("=")
+        if k not in _OPTIONS or not v:
+            raise ValueError(f"bench: bad option {item!r} in {system!r}: use k=v with k in {', '.join(_OPTIONS)}")
+        name, kind = _OPTIONS[k]
+        out[name] = kind(v)
+    return out
+
+
 def _cpu_peak(fn, model, opt) -> int | None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -207,8 +226,9 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     if system.startswith("shardwise"):
         mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if cfg.precision == "bf16" else None
         executor = cfg.executor if cfg.executor != "auto" else ("inductor" if device.type == "cuda" else "fx")
+        opts = {"schedule": not system.startswith("shardwise-noopt"), **_options(system)}
         job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=cfg.lr), strategy=cfg.strategy,
-                         mesh=sw.mesh(), mixed_precision=mp, compile=executor, schedule=system == "shardwise")
+                         mesh=sw.mesh(), mixed_precision=mp, compile=opts.pop("compile", executor), **opts)
         row["pred_peak_mem_gb"] = job.predict_memory(batches[0])["peak"] / 1e9
         step, opt = job.step, job.optimizer
         job.time_optimizer = True

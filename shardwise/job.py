@@ -68,6 +68,8 @@ def compile(
     bucket_mb: float = 25.0,
     shard_bucket_mb: float | None = 0,
     schedule: bool = True,
+    max_in_flight_mb: float | None = None,
+    max_in_flight_ops: int | None = None,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -80,8 +82,9 @@ def compile(
     ddp's all-reduce buckets; ``shard_bucket_mb`` the zero all-gather/reduce-scatter buckets (0, the
     default: one collective per parameter; None: twice the largest parameter). ``link_profile`` is a preset name,
     a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``. ``schedule``
-    (on by default) reorders collectives for latency hiding (passes/schedule.py); on gloo one
-    collective is in flight at a time.
+    (on by default) reorders collectives for latency hiding (passes/schedule.py) under a cap of
+    ``max_in_flight_mb`` (default: twice the largest collective) and ``max_in_flight_ops``
+    collectives started and not yet waited for (default: no cap; on gloo always one).
 
     Example::
 
@@ -108,10 +111,14 @@ def compile(
         )
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be a positive number (or None for no clipping), got {clip_grad_norm!r}")
+    if max_in_flight_ops is not None and (not isinstance(max_in_flight_ops, int) or max_in_flight_ops < 1):
+        raise ValueError(f"max_in_flight_ops must be a positive int or None, got {max_in_flight_ops!r}")
+    if max_in_flight_mb is not None and not max_in_flight_mb > 0:
+        raise ValueError(f"max_in_flight_mb must be positive or None, got {max_in_flight_mb!r}")
     if mesh is None:
         mesh = make_mesh()
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
-              clip_grad_norm, shard_bucket_mb, schedule)
+              clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops)
     job.link_profile = link_profile
     return job
 
@@ -120,7 +127,7 @@ class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
-                 shard_bucket_mb=0, schedule=True):
+                 shard_bucket_mb=0, schedule=True, max_in_flight_mb=None, max_in_flight_ops=None):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -139,7 +146,9 @@ class Job:
             bucket_bytes=int(bucket_mb * 2**20),
             shard_bucket_bytes=None if shard_bucket_mb is None else int(shard_bucket_mb * 2**20),
             schedule=schedule,
-            max_ops_in_flight=1 if dist.get_backend(self.group) == "gloo" else None,
+            max_in_flight=None if max_in_flight_mb is None else int(max_in_flight_mb * 2**20),
+            # gloo: one at a time (see ShardContext.max_ops_in_flight)
+            max_ops_in_flight=1 if dist.get_backend(self.group) == "gloo" else max_in_flight_ops,
             stage=self._stage(),
         )
         self._check_model_device()
