@@ -75,6 +75,10 @@ class BenchConfig:
         bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
         if bad:
             raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
+        for s in self.systems:
+            if ":" in s and not s.startswith("shardwise"):
+                raise ValueError(f"bench: only shardwise systems take options, got {s!r}")
+            _options(s)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
         if self.executor not in ("auto", "fx", "inductor"):

@@ -66,7 +66,7 @@ def compile(
     clip_grad_norm: float | None = None,
     compile: str | None = None,
     bucket_mb: float = 25.0,
-    shard_bucket_mb: float | None = 0,
+    shard_bucket_mb: float | str | None = "auto",
     schedule: bool = True,
     max_in_flight_mb: float | None = None,
     max_in_flight_ops: int | None = None,
@@ -79,8 +79,9 @@ def compile(
     name. The model's forward must return the loss (a scalar, or an object with ``.loss``), or pass
     ``loss_fn(outputs, batch)``. ``clip_grad_norm`` clips the global gradient norm (over every shard
     on every rank) as ``torch.nn.utils.clip_grad_norm_`` does on one device. ``bucket_mb`` closes
-    ddp's all-reduce buckets; ``shard_bucket_mb`` the zero all-gather/reduce-scatter buckets (0, the
-    default: one collective per parameter; None: twice the largest parameter). ``link_profile`` is a preset name,
+    ddp's all-reduce buckets; ``shard_bucket_mb`` the zero all-gather/reduce-scatter buckets ("auto", the
+    default: the size the cost model predicts fastest without raising the predicted peak by more
+    than 10%; 0: one collective per parameter; None: twice the largest parameter). ``link_profile`` is a preset name,
     a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``. ``schedule``
     (on by default) reorders collectives for latency hiding (passes/schedule.py) under a cap of
     ``max_in_flight_mb`` (default: twice the largest collective) and ``max_in_flight_ops``
@@ -111,6 +112,9 @@ def compile(
         )
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"clip_grad_norm must be a positive number (or None for no clipping), got {clip_grad_norm!r}")
+    if shard_bucket_mb is not None and shard_bucket_mb != "auto" and not (
+            isinstance(shard_bucket_mb, (int, float)) and shard_bucket_mb >= 0):
+        raise ValueError(f"shard_bucket_mb must be 'auto', None or a number >= 0, got {shard_bucket_mb!r}")
     if max_in_flight_ops is not None and (not isinstance(max_in_flight_ops, int) or max_in_flight_ops < 1):
         raise ValueError(f"max_in_flight_ops must be a positive int or None, got {max_in_flight_ops!r}")
     if max_in_flight_mb is not None and not max_in_flight_mb > 0:
@@ -127,7 +131,7 @@ class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
-                 shard_bucket_mb=0, schedule=True, max_in_flight_mb=None, max_in_flight_ops=None):
+                 shard_bucket_mb="auto", schedule=True, max_in_flight_mb=None, max_in_flight_ops=None):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -144,7 +148,8 @@ class Job:
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype if mp.param_dtype is not None else None,
             bucket_bytes=int(bucket_mb * 2**20),
-            shard_bucket_bytes=None if shard_bucket_mb is None else int(shard_bucket_mb * 2**20),
+            shard_bucket_bytes=shard_bucket_mb if shard_bucket_mb in (None, "auto") else int(shard_bucket_mb * 2**20),
+            estimate=self._estimate,
             schedule=schedule,
             max_in_flight=None if max_in_flight_mb is None else int(max_in_flight_mb * 2**20),
             # gloo: one at a time (see ShardContext.max_ops_in_flight)
@@ -377,6 +382,15 @@ class Job:
             dev = next((d for k, d in DEVICES.items() if k in name), DEVICES["h200"])
         return lp, dev
 
+    def _estimate(self, gm) -> tuple[float, int]:
+        """The cost model on a finished program (roofline compute, α-β collectives, liveness)."""
+        from .costmodel import liveness, node_time, simulate
+
+        lp, dev = self.cost_inputs()
+        tl = simulate(gm, lambda n: node_time(n, dev),
+                      lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
+        return tl.step_s, liveness(gm, fused=self.compile_mode == "inductor").peak
+
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: whole weights, master shards, buffers, optimizer state
         (predicted from the optimizer's kind before its first step)."""
@@ -504,6 +518,10 @@ class Job:
                 f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
                 f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
+            if prog.bucket_choice:
+                lines.append("  buckets (auto, cost model): " + "; ".join(
+                    f"{'*' if c else ''}{b / 2**20:.2f} MiB -> {t * 1e3:.2f} ms, peak {pk / 2**20:.1f} MiB"
+                    for b, t, pk, c in prog.bucket_choice))
             if prog.schedule:
                 ops = prog.schedule.get("max_ops")
                 lines.append(f"  schedule: cap {prog.schedule['max_in_flight'] / 2**20:.2f} MiB in flight"

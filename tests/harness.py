@@ -75,7 +75,7 @@ def _reference(name, dtype, ws, steps, over, micro, device):
 
 
 def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None, micro: int = 1,
-              seed: int | None = None, device: str = "cpu", shard_bucket_mb: float | None = 0, schedule: bool = True):
+              seed: int | None = None, device: str = "cpu", shard_bucket_mb: float | str | None = "auto", schedule: bool = True):
     """Run on every rank of the pool; returns (losses, full_state_dict on rank 0, job summary).
 
     ``seed=None`` builds the same weights on every rank; ``seed="rank"`` gives each rank other
@@ -212,7 +212,7 @@ def rel_param_err(sd, ref):
 
 
 def check(pools, name, strategy, dtype, ws, steps, over=(), compile=None, loss_tol=None, param_tol=None,
-          micro=1, seed=None, device="cpu", backend="gloo", ref_device="cpu", shard_bucket_mb=0, schedule=True):
+          micro=1, seed=None, device="cpu", backend="gloo", ref_device="cpu", shard_bucket_mb="auto", schedule=True):
     """Train on ``ws`` pool ranks and hold losses and final weights to the single-device reference."""
     ref_losses, ref_sd = reference(name, dtype, ws, steps, over, micro, ref_device)
     pool = pools(ws, backend)
@@ -366,3 +366,18 @@ def predicted_and_measured_peak(strategy: str, name: str, batch: int, seq: int):
     after = job.predict_memory((x, x))["peak"]
     _, peak = measure(job, lambda: job.step((x, x)))
     return before, after, peak
+
+
+def measured_prediction():
+    """(measured node times, predicted step with them, profiler measurement of one real step)."""
+    model = make_model("gpt", "fp32")
+    job = sw.compile(model, optimizer=adamw, strategy="zero3", mesh=sw.mesh())
+    b = make_batch("gpt", 0, dist.get_rank())
+    job.time_optimizer = True
+    job.step(b)
+    assert job.predict_step(b)["compute_source"] == "roofline"
+    times = job.profile_compute(b)
+    pred = job.predict_step(b)
+    pred.pop("timeline")
+    _, meas = job.profile_step(b)
+    return times, pred, meas

@@ -85,3 +85,46 @@ def test_explain_prints_the_plan():
                   "--link-profile", "nvlink-8gpu")
     assert "link profile: nvlink-8gpu" in out and "predicted step" in out
     assert "all_gather      fwd" in out and "reduce_scatter  bwd" in out and "S(0)" in out
+
+
+def test_explain_profiles_and_draws(tmp_path):
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    out = run_cli("explain", "--model", "gpt", "--size", "tiny", "--strategy", "zero3", "--nproc", "2",
+                  "--profile", "--png", str(png), "--trace", str(trace))
+    assert "compute (measured)" in out and "predicted peak" in out and "buckets (auto, cost model)" in out
+    m = re.search(r"exposed communication ([\d.]+) ms \(([\d.]+)%\)", out)
+    assert m and float(m.group(1)) > 0, out
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    import json
+
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_bench_writes_json_and_plot(tmp_path):
+    import json
+
+    out = run_cli("bench", "--model", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
+                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0,ddp,fsdp2", "--out", str(tmp_path),
+                  "--name", "t")
+    rec = json.loads((tmp_path / "t.json").read_text())
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    for k in ("name", "date", "machine", "gpus", "versions", "command", "config", "results"):
+        assert k in rec
+    rows = {r["system"]: r for r in rec["results"]}
+    assert set(rows) == {"shardwise", "shardwise-noopt:bucket_mb=0", "ddp", "fsdp2"}, out
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] == rec["config"]["batch"] * 16 / r["step_s"]
+    for s in ("shardwise", "shardwise-noopt:bucket_mb=0"):
+        assert rows[s]["pred_step_s"] > 0 and rows[s]["pred_peak_mem_gb"] > 0 and rows[s]["peak_mem_gb"] > 0
+        assert rows[s]["exposed_comm_pct"] is not None
+    assert rows["ddp"]["pred_step_s"] is None  # predictions are shardwise's own
+
+
+def test_bench_rejects_unknown_systems_and_options():
+    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise,megatron", "--nproc", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "unknown system" in p.stderr + p.stdout
+    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise:speed=11", "--nproc",
+                        "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
+    assert "bad option" in p.stderr + p.stdout

@@ -24,8 +24,16 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
         raise ValueError(f"mode {mode!r} does not apply to {strategy}: local/last are for ddp and zero1, acc for zero2/zero3")
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
     starts = _emit.collectives(prog.gm)
-    if ctx.shard_bucket_bytes != 0 and strategy != "ddp" and starts:
-        limit = ctx.shard_bucket_bytes or 2 * max(s.meta["sw"]["full_bytes"] for s in starts)
+    if ctx.shard_bucket_bytes == "auto" and strategy != "ddp" and starts and ctx.ws > 1:
+        return _auto_buckets(prog, ctx, mode, starts)
+    return _finish(prog, ctx, mode, ctx.shard_bucket_bytes if strategy != "ddp" and starts else 0)
+
+
+def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes) -> Program:
+    """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), then schedule."""
+    starts = _emit.collectives(prog.gm)
+    if bucket_bytes != 0 and starts:
+        limit = bucket_bytes or 2 * max(s.meta["sw"]["full_bytes"] for s in starts)
         prog.buckets = bucket.bucket(prog.gm, ctx.ws, limit)
         starts = _emit.collectives(prog.gm)
     if mode == "acc":
@@ -34,6 +42,34 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
         cap_bytes = ctx.max_in_flight or 2 * max(schedule._payload(s) for s in starts)
         prog.schedule = schedule.schedule(prog.gm, cap_bytes, ctx.max_ops_in_flight)
     return prog
+
+
+def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Program:
+    """Try bucket sizes (none, then 1, 2, 4, 8 and 16 times the largest parameter), finish each
+    program and keep the one ``ctx.estimate`` predicts fastest among those whose predicted peak is
+    within ``ctx.bucket_peak_slack`` of the unbucketed one. The sweep stops at the first size that
+    is slower than a smaller one or over the slack (time falls, then rises, with bucket size: fewer
+    latencies against less overlap; the peak only grows). Deterministic: same graph, same choice."""
+    if ctx.estimate is None:
+        raise ValueError("shard_bucket_bytes='auto' needs ShardContext.estimate (the cost model)")
+    largest = max(s.meta["sw"]["full_bytes"] for s in starts)
+    rows, progs = [], []
+    for k in (0, 1, 2, 4, 8, 16):
+        p = copy.copy(prog)
+        p.gm = copy.deepcopy(prog.gm)
+        p = _finish(p, ctx, mode, k * largest)
+        t, peak = ctx.estimate(p.gm)
+        rows.append([k * largest, t, peak, False])
+        progs.append(p)
+        if k and (t > min(r[1] for r in rows[:-1]) or peak > ctx.bucket_peak_slack * rows[0][2]):
+            break  # slower than a smaller size, or over the memory slack: larger ones will not do better
+    base_peak = rows[0][2]
+    ok = [i for i, r in enumerate(rows) if r[2] <= ctx.bucket_peak_slack * base_peak]
+    best = min(ok, key=lambda i: (rows[i][1], i))
+    rows[best][3] = True
+    chosen = progs[best]
+    chosen.bucket_choice = [tuple(r) for r in rows]
+    return chosen
 
 
 def _rewrite(cap: Capture, gm, strategy: str, ctx: ShardContext, mode: str) -> Program:

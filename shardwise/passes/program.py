@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -30,9 +31,14 @@ class ShardContext:
     """Largest all-reduce bucket (ddp)."""
     stage: str | None = None
     """Device to stage collective payloads on (``"cpu"`` for gloo ranks whose tensors are on a GPU)."""
-    shard_bucket_bytes: int | None = 0
+    shard_bucket_bytes: int | str | None = 0
     """Close zero all-gather/reduce-scatter buckets at this many bytes (passes/bucket.py); 0: one
-    collective per parameter; None: twice the largest parameter's."""
+    collective per parameter; None: twice the largest parameter's; ``"auto"``: the size ``estimate``
+    predicts fastest among candidates whose predicted peak stays within ``bucket_peak_slack``."""
+    estimate: Callable[[fx.GraphModule], tuple[float, int]] | None = None
+    """Cost model of a finished program: (predicted seconds, predicted peak bytes of the graph)."""
+    bucket_peak_slack: float = 1.10
+    """``"auto"`` buckets may raise the graph's predicted peak by at most this factor over none."""
     schedule: bool = True
     """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it
     (each waited for right after it starts)."""
@@ -60,6 +66,8 @@ class Program:
     """dtype each parameter input is expected in (master fp32 when the graph casts it)."""
     buckets: int = 0
     """How many multi-parameter buckets the bucketing pass made."""
+    bucket_choice: list | None = None
+    """With ``shard_bucket_bytes="auto"``: (bucket bytes, predicted s, predicted peak, chosen) per candidate."""
     schedule: dict | None = None
     """What the scheduler did (cap, how far each all-gather was moved), or None if it did not run."""
 
