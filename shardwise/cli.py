@@ -14,7 +14,8 @@ def _train_parser(sub) -> None:
         description="Train a built-in model. Spawns --nproc gloo ranks on this machine unless run under "
         "torchrun, where it uses NCCL on GPUs. One line per step on rank 0: loss (mean over ranks), tokens/s, "
         "per-rank peak memory (CUDA max allocated; on CPU the MemTracker live-tensor peak, measured every "
-        "--mem-every steps and marked with the step it was measured at), bytes each rank sent.",
+        "--mem-every steps and marked with the step it was measured at), bytes each rank sent, the cost "
+        "model's predicted step time and the exposed communication measured with torch.profiler at step 3.",
     )
     _model_args(p)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
@@ -280,13 +281,18 @@ def train_main(args) -> None:
         print(f"shardwise train: {args.model}/{args.size} ({n / 1e6:.2f} M params) {args.strategy} on {mesh}, "
               f"batch {args.batch}x{seq} per rank, {args.precision}, executor {args.compile}", flush=True)
     peak, peak_step, first = None, None, None
+    exposed, pred_ms = None, None
     k = args.grad_accum
     for step in range(args.steps):
         micro = [tuple(t.to(mesh.device) for t in data.get(step * k + m, rank)) for m in range(k)]
         batch = micro if k > 1 else micro[0]
         t0 = time.perf_counter()
         on_cpu = mesh.device.type == "cpu"
-        if not on_cpu or step == 1 or (args.mem_every and step % args.mem_every == 0 and step > 0):
+        if step == 2:
+            # one step under torch.profiler: the measured exposed communication of the step line
+            loss, prof = job.profile_step(batch)
+            exposed = prof["exposed_pct"]
+        elif not on_cpu or step == 1 or (args.mem_every and step % args.mem_every == 0 and step > 0):
             loss, peak = measure(job, lambda: job.step(batch))
             peak_step = step + 1
         else:
@@ -296,6 +302,8 @@ def train_main(args) -> None:
             sched.step()
         loss_v = float(loss)
         dt = time.perf_counter() - t0
+        if step == 1 and k == 1:
+            pred_ms = job.predict_step(batch)["step_s"] * 1e3
         peaks = torch.tensor([peak if peak is not None else -1], dtype=torch.int64)
         allp = [torch.zeros_like(peaks) for _ in range(ws)]
         dist.all_gather(allp, peaks, group=job.ctrl)
@@ -308,6 +316,10 @@ def train_main(args) -> None:
             extra = f"  lr {lr:.2e}" if sched is not None else ""
             if job.last_grad_norm is not None:
                 extra += f"  gnorm {float(job.last_grad_norm):.3f}"
+            if pred_ms is not None:
+                extra += f"  pred_step {pred_ms:.1f} ms"
+            if exposed is not None:
+                extra += f"  exposed_comm {exposed:.0f}% @step 3"
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
                   f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {_fmt_bytes(job.last_comm_bytes)}{extra}",
                   flush=True)
