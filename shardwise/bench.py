@@ -219,6 +219,10 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
 
     device = _device()
     rank, ws = dist.get_rank(), dist.get_world_size()
+    # each system compiles from a clean slate: dynamo's per-code cache is shared by every system of
+    # the process, and entries left by an earlier one count towards its recompile limit (past it,
+    # dynamo silently runs eager)
+    torch._dynamo.reset()
     model = _model(cfg, device)
     seq = cfg.seq or model.cfg.seq
     fpt = flops_per_token(model, seq)
