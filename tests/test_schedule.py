@@ -112,3 +112,36 @@ def test_cap_on_number_in_flight_holds_and_still_overlaps():
     assert most == 1
     assert overlapped > 0
     assert prog.schedule["max_ops"] == 1
+
+
+def test_inductor_keeps_the_scheduled_order():
+    # compile only (nothing runs): inductor's generated code must start the all-gathers where the
+    # schedule put them — all before the first wait with an unbounded cap — not next to their waits
+    import re
+
+    import torch
+
+    from shardwise.runtime.inductor import compile_graph
+    from shardwise.runtime.mesh import ensure_process_group
+    import torch.distributed as dist
+
+    ensure_process_group()
+    _, cap = captured("gpt")
+    prog = shard_step(cap, "zero3", ShardContext(2, dist.group.WORLD.group_name, schedule=True, max_in_flight=BIG))
+    run = compile_graph(prog.gm)
+    ins = [torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype) for p in prog.gm.graph.find_nodes(op="placeholder")]
+    from torch._inductor.compile_fx import compile_fx
+    from torch._functorch import config as ft_cfg
+    from torch._inductor import config as ind_cfg
+    from shardwise.runtime.inductor import KEEP_ORDER
+
+    with torch.no_grad(), ft_cfg.patch(cse=False), ind_cfg.patch(**KEEP_ORDER):
+        code = getattr(compile_fx(prog.gm, ins), "source_code", None)
+    assert run.compiled is None  # compile_graph compiles lazily, on the first call
+    if code is None:
+        pytest.skip("this torch's compiled graph does not expose its source code")
+    calls = [("AG" if "all_gather" in m.group(1) else "RS" if "reduce_scatter" in m.group(1) else "W")
+             for m in re.finditer(r"_c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor)[\w.]*\(",
+                                  "\n".join(ln for ln in code.splitlines() if not ln.strip().startswith("#")))]
+    first_wait = calls.index("W")
+    assert calls[:first_wait].count("AG") == len(sw_nodes(prog.gm, "all_gather")), calls[:40]

@@ -26,9 +26,22 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
         nonlocal compiled
         inputs = [x.detach() for x in inputs]
         if compiled is None:
-            with torch.no_grad(), ft_cfg.patch(cse=False), ind_cfg.patch(reorder_for_compute_comm_overlap=False):
+            with torch.no_grad(), ft_cfg.patch(cse=False), ind_cfg.patch(**KEEP_ORDER):
                 compiled = compile_fx(gm, inputs)
+            run.compiled = compiled
         with torch.no_grad():
             return compiled(*inputs)
 
+    run.compiled = None
     return run
+
+
+def _keep_order() -> dict:
+    from torch._inductor import config as ind_cfg
+
+    want = {"reorder_for_compute_comm_overlap": False, "reorder_for_peak_memory": False}
+    return {k: v for k, v in want.items() if hasattr(ind_cfg, k)}
+
+
+KEEP_ORDER = _keep_order()
+"""inductor settings that would reorder the scheduled graph, turned off (those this torch has)."""
