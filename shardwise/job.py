@@ -249,8 +249,12 @@ class Job:
                 except RuntimeError:
                     pass
                 raise
-            code_hash = hashlib.sha256(_rank_free(prog.gm.code).encode()).hexdigest()
-            self._agree(f"graph {code_hash}", "graph")
+            # the captured single-device graph and the final plan (the rewritten, bucketed, scheduled
+            # program, whose node order is the order of collectives) must be the same on every rank
+            cap_hash = hashlib.sha256(_rank_free(prog.capture.gm.code).encode()).hexdigest()[:16]
+            plan_hash = hashlib.sha256(_rank_free(prog.gm.code).encode()).hexdigest()[:16]
+            self._agree(f"capture {cap_hash} plan {plan_hash}", "graph")
+            prog.hashes = {"capture": cap_hash, "plan": plan_hash}
             self._programs[key] = (prog, self._executor(prog))
         return self._programs[key]
 
@@ -518,6 +522,8 @@ class Job:
                 f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
                 f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
+            if prog.hashes:
+                lines.append(f"  hashes (agreed by every rank): capture {prog.hashes['capture']} plan {prog.hashes['plan']}")
             if prog.bucket_choice:
                 lines.append("  buckets (auto, cost model): " + "; ".join(
                     f"{'*' if c else ''}{b / 2**20:.2f} MiB -> {t * 1e3:.2f} ms, peak {pk / 2**20:.1f} MiB"

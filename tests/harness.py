@@ -381,3 +381,12 @@ def measured_prediction():
     pred.pop("timeline")
     _, meas = job.profile_step(b)
     return times, pred, meas
+
+
+def rank_dependent_plan():
+    """Same model and batch on every rank, but rank 1 buckets differently: the same captured graph,
+    a different plan."""
+    model = make_model("gpt", "fp32")
+    job = sw.compile(model, optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
+                     shard_bucket_mb=0 if dist.get_rank() == 0 else None)
+    job.step(make_batch("gpt", 0, dist.get_rank()))

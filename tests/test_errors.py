@@ -122,3 +122,14 @@ def test_model_on_another_device_than_the_mesh():
 def test_bad_mixed_precision_dtype():
     with pytest.raises(ValueError, match="MixedPrecision.param_dtype"):
         sw.MixedPrecision(param_dtype="bf17")
+
+
+def test_plans_that_differ_across_ranks_stop_every_rank(pools):
+    import re
+
+    res = pools(2).run_all(harness.rank_dependent_plan, timeout=120)
+    for ok, val in res:
+        assert not ok and val[0] == "RuntimeError", val
+        got = dict(re.findall(r"ranks \[(\d)\]: capture (\w+) plan", val[1]))
+        plans = dict(re.findall(r"ranks \[(\d)\]: capture \w+ plan (\w+)", val[1]))
+        assert got["0"] == got["1"] and plans["0"] != plans["1"], val[1]  # same capture, different plan

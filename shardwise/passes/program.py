@@ -68,6 +68,8 @@ class Program:
     """How many multi-parameter buckets the bucketing pass made."""
     bucket_choice: list | None = None
     """With ``shard_bucket_bytes="auto"``: (bucket bytes, predicted s, predicted peak, chosen) per candidate."""
+    hashes: dict | None = None
+    """Hashes of the captured graph and of this program, agreed by every rank before the first step."""
     schedule: dict | None = None
     """What the scheduler did (cap, how far each all-gather was moved), or None if it did not run."""
 
