@@ -387,9 +387,11 @@ def plot(rec: dict, path: str) -> str:
     ax.bar(xs, [r["tokens_per_s_per_gpu"] for r in ok], color=["tab:blue" if r["system"].startswith("shardwise")
                                                               else "tab:gray" for r in ok])
     for x, r in zip(xs, ok):
-        mem = f"\n{r['peak_mem_gb']:.2f} GB" if r.get("peak_mem_gb") is not None else ""
+        pk = r.get("peak_mem_gb")
+        mem = "" if pk is None else (f"\n{pk:.2f} GB" if pk >= 1 else f"\n{pk * 1e3:.1f} MB")
         ax.text(x, r["tokens_per_s_per_gpu"], f"{r['step_s'] * 1e3:.0f} ms{mem}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(xs), [r["system"] for r in ok], rotation=20, fontsize=8)
+    ax.set_ylim(0, 1.25 * max((r["tokens_per_s_per_gpu"] for r in ok), default=1))
     ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
     c = rec["config"]
     ax.set_title(f"{c['model']}/{c['size']} batch {c['batch']}x{c['seq'] or 'default'} {c['precision']} "
