@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import time
@@ -70,6 +71,8 @@ def compile(
     schedule: bool = True,
     max_in_flight_mb: float | None = None,
     max_in_flight_ops: int | None = None,
+    memory_budget: int | float | None = None,
+    keep_gathered=None,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -86,6 +89,10 @@ def compile(
     (on by default) reorders collectives for latency hiding (passes/schedule.py) under a cap of
     ``max_in_flight_mb`` (default: twice the largest collective) and ``max_in_flight_ops``
     collectives started and not yet waited for (default: no cap; on gloo always one).
+    ``memory_budget`` (bytes, or a fraction of what this process may use on its device) makes the
+    plan fit: under zero3 the parameters that fit stay gathered from forward to backward (no
+    backward all-gather; passes/unshard.py); a step that cannot fit raises ``BudgetError`` with the
+    numbers before anything runs. ``keep_gathered`` forces that decision for the named parameters.
 
     Example::
 
@@ -124,7 +131,37 @@ def compile(
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
               clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops)
     job.link_profile = link_profile
+    job.memory_budget = _budget_bytes(memory_budget, mesh.device)
+    if keep_gathered is not None:
+        if strategy != "zero3":
+            raise ValueError(f"keep_gathered applies to zero3 (every parameter is gathered), not {strategy}")
+        unknown = sorted(set(keep_gathered) - set(job.layouts))
+        if unknown:
+            raise ValueError(f"keep_gathered names parameters the model does not have: {unknown[:5]}")
+        job.ctx = dataclasses.replace(job.ctx, keep_gathered=frozenset(keep_gathered))
     return job
+
+
+def _budget_bytes(budget, device: torch.device) -> int | None:
+    """``memory_budget`` in bytes: an int is bytes; a float in (0, 1] a fraction of what the process
+    may use — on CUDA the device memory times ``torch.cuda.set_per_process_memory_fraction``'s
+    fraction, on CPU the machine's physical memory."""
+    import os
+
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes or a fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, int):
+        return budget
+    if budget > 1:
+        raise ValueError(f"memory_budget={budget!r}: a float is a fraction of device memory and must be <= 1; "
+                         "pass bytes as an int")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        frac = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        return int(total * frac * budget)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * budget)
 
 
 class Job:
@@ -169,6 +206,7 @@ class Job:
         self.last_comm_bytes = 0
         self.last_grad_norm: torch.Tensor | None = None
         self.steps = 0
+        self.memory_budget: int | None = None
         self.time_optimizer = False  # set to time the optimizer phase of each step (syncs the GPU)
         self.last_optimizer_s: float | None = None
         self._node_times: dict[tuple, dict[str, float]] = {}
@@ -240,7 +278,8 @@ class Job:
                     with_grads=train,
                     device=self.mesh.device,
                 )
-                prog = shard_step(cap, self.strategy, self.ctx, "step" if mode == "eval" else mode)
+                prog = shard_step(cap, self.strategy, self._budgeted_ctx(tensors, train),
+                                  "step" if mode == "eval" else mode)
             except Exception as e:
                 # tell the other ranks before raising, so that none waits for this one in a collective;
                 # this rank's own error says more than the disagreement, so it is the one raised here
@@ -257,6 +296,22 @@ class Job:
             prog.hashes = {"capture": cap_hash, "plan": plan_hash}
             self._programs[key] = (prog, self._executor(prog))
         return self._programs[key]
+
+    def _budgeted_ctx(self, tensors, train: bool) -> ShardContext:
+        """The pass context, with the graph's share of ``memory_budget`` when one is set."""
+        if self.memory_budget is None or not train:
+            return self.ctx
+        from .passes.unshard import BudgetError
+
+        held = sum(self.resident_bytes().values())
+        held += sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
+        left = self.memory_budget - held
+        if left <= 0:
+            raise BudgetError(
+                f"memory_budget {self.memory_budget / 2**20:.1f} MiB is less than the state this rank holds "
+                f"between steps ({held / 2**20:.1f} MiB: weights, master shards, optimizer state); use more "
+                "ranks or zero3, or raise the budget")
+        return dataclasses.replace(self.ctx, graph_budget=left)
 
     def _executor(self, prog: Program) -> Callable:
         if self.compile_mode != "inductor":
@@ -522,6 +577,9 @@ class Job:
                 f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
                 f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
+            if prog.unsharded is not None:
+                lines.append(f"  memory budget {self.memory_budget / 2**20:.1f} MiB: kept gathered forward to backward "
+                             f"({len(prog.unsharded)}): {', '.join(prog.unsharded)[:300]}")
             if prog.hashes:
                 lines.append(f"  hashes (agreed by every rank): capture {prog.hashes['capture']} plan {prog.hashes['plan']}")
             if prog.bucket_choice:

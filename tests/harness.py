@@ -75,7 +75,8 @@ def _reference(name, dtype, ws, steps, over, micro, device):
 
 
 def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None, micro: int = 1,
-              seed: int | None = None, device: str = "cpu", shard_bucket_mb: float | str | None = "auto", schedule: bool = True):
+              seed: int | None = None, device: str = "cpu", shard_bucket_mb: float | str | None = "auto", schedule: bool = True,
+              **compile_kw):
     """Run on every rank of the pool; returns (losses, full_state_dict on rank 0, job summary).
 
     ``seed=None`` builds the same weights on every rank; ``seed="rank"`` gives each rank other
@@ -83,7 +84,7 @@ def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = ()
     rank = dist.get_rank()
     model = make_model(name, dtype, seed=rank if seed == "rank" else 0, **dict(over)).to(device)
     job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(device=device), compile=compile,
-                     shard_bucket_mb=shard_bucket_mb, schedule=schedule)
+                     shard_bucket_mb=shard_bucket_mb, schedule=schedule, **compile_kw)
     losses = []
     for s in range(steps):
         mbs = [tuple(t.to(device) for t in make_batch(name, s * micro + m, rank)) for m in range(micro)]
@@ -212,12 +213,13 @@ def rel_param_err(sd, ref):
 
 
 def check(pools, name, strategy, dtype, ws, steps, over=(), compile=None, loss_tol=None, param_tol=None,
-          micro=1, seed=None, device="cpu", backend="gloo", ref_device="cpu", shard_bucket_mb="auto", schedule=True):
+          micro=1, seed=None, device="cpu", backend="gloo", ref_device="cpu", shard_bucket_mb="auto", schedule=True,
+          **compile_kw):
     """Train on ``ws`` pool ranks and hold losses and final weights to the single-device reference."""
     ref_losses, ref_sd = reference(name, dtype, ws, steps, over, micro, ref_device)
     pool = pools(ws, backend)
     losses, sd, _ = pool.run(train_run, name, strategy, dtype, steps, over, compile, micro, seed, device,
-                             shard_bucket_mb, schedule)[0]
+                             shard_bucket_mb, schedule, **compile_kw)[0]
     assert set(sd) == set(ref_sd)
     dl = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     dp = rel_param_err(sd, ref_sd)
@@ -390,3 +392,16 @@ def rank_dependent_plan():
     job = sw.compile(model, optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
                      shard_bucket_mb=0 if dist.get_rank() == 0 else None)
     job.step(make_batch("gpt", 0, dist.get_rank()))
+
+
+def budget_run(budget):
+    """(planned unsharded params, collective counts, predicted peak, measured peak, resident) under a budget."""
+    from shardwise.runtime.memory import measure
+
+    job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(), memory_budget=budget)
+    b = make_batch("llama", 0, dist.get_rank())
+    job.step(b)
+    prog = job.programs()[0]
+    pred = job.predict_memory(b)["peak"]
+    _, peak = measure(job, lambda: job.step(b))
+    return prog.unsharded, prog.counts(), pred, peak

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from ..capture import Capture
-from . import _emit, accumulate, bucket, ddp, schedule, zero
+from . import _emit, accumulate, bucket, ddp, schedule, unshard, zero
 from .program import Program, ShardContext
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -22,6 +23,12 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     whole = strategy in ("ddp", "zero1")
     if mode not in MODES or (mode in ("local", "last") and not whole) or (mode == "acc" and whole):
         raise ValueError(f"mode {mode!r} does not apply to {strategy}: local/last are for ddp and zero1, acc for zero2/zero3")
+    if ctx.graph_budget is not None:
+        if strategy == "zero3":
+            return unshard.plan(cap, ctx, mode, lambda c: shard_step(cap, strategy, c, mode))
+        prog = shard_step(cap, strategy, dataclasses.replace(ctx, graph_budget=None), mode)
+        unshard.check(prog, ctx)
+        return prog
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
     starts = _emit.collectives(prog.gm)
     if ctx.shard_bucket_bytes == "auto" and strategy != "ddp" and starts and ctx.ws > 1:

@@ -35,6 +35,12 @@ class ShardContext:
     """Close zero all-gather/reduce-scatter buckets at this many bytes (passes/bucket.py); 0: one
     collective per parameter; None: twice the largest parameter's; ``"auto"``: the size ``estimate``
     predicts fastest among candidates whose predicted peak stays within ``bucket_peak_slack``."""
+    keep_gathered: frozenset = frozenset()
+    """zero3 parameters whose forward all-gather is kept for the backward (selective unsharding):
+    no backward all-gather, at the price of the whole weight living from forward to backward."""
+    graph_budget: int | None = None
+    """Bytes the step graph may use on top of resident state (``memory_budget`` minus what the job
+    holds); with it, zero3 keeps gathered as many parameters as fit (passes/unshard.py)."""
     estimate: Callable[[fx.GraphModule], tuple[float, int]] | None = None
     """Cost model of a finished program: (predicted seconds, predicted peak bytes of the graph)."""
     bucket_peak_slack: float = 1.10
@@ -68,6 +74,10 @@ class Program:
     """How many multi-parameter buckets the bucketing pass made."""
     bucket_choice: list | None = None
     """With ``shard_bucket_bytes="auto"``: (bucket bytes, predicted s, predicted peak, chosen) per candidate."""
+    unsharded: list | None = None
+    """Under a memory budget (zero3): the parameters kept gathered from forward to backward."""
+    predicted_graph_peak: int | None = None
+    """Under a memory budget: the simulated peak of this program's graph."""
     hashes: dict | None = None
     """Hashes of the captured graph and of this program, agreed by every rank before the first step."""
     schedule: dict | None = None

@@ -133,16 +133,20 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
                 copies[node] = new
         return copies[node]
 
+    # parameters kept gathered (selective unsharding) skip this: their backward reads the forward
+    # gather, which then lives from its forward use to its last backward use
+    keep = {ph for ph, name in params.items() if name in ctx.keep_gathered}
     for node in nodes:
         if node in fwd or node.op != "call_function":
             continue
         for a in list(node.all_input_nodes):
-            if (a in params or a in fwd) and _chain_root(a, params, memo) is not None:
+            root = _chain_root(a, params, memo) if (a in params or a in fwd) else None
+            if root is not None and root not in keep:
                 node.replace_input_with(a, rebuild(a, node))
 
     # forward: one gather per parameter, right before its first forward user
     for ph in params:
-        users = sorted((u for u in ph.users if u in fwd), key=order.__getitem__)
+        users = sorted((u for u in ph.users if u in fwd or ph in keep), key=order.__getitem__)
         if not users:
             continue
         full = gather(ph, users[0], "fwd")

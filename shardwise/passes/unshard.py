@@ -1,0 +1,66 @@
+"""Selective unsharding under a memory budget: which zero3 parameters stay gathered from forward to backward.
+
+A parameter kept gathered needs no backward all-gather (one collective and its latency fewer per
+step) but its whole weight lives from its forward use to its last backward use. Every such weight is
+live at the forward/backward boundary, so each one adds its bytes to the peak there. The plan is a
+greedy with re-evaluation: take parameters in reverse forward order (the last ones are needed again
+first), as long as their bytes fit the headroom the unsharded plan leaves under the budget; then
+compile that plan and check its simulated peak, dropping the most recently added parameters until
+it fits. Deterministic: the same graph and budget give the same plan on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ..capture import Capture
+from .program import Program, ShardContext
+
+
+class BudgetError(ValueError):
+    """The step does not fit the memory budget even with every parameter sharded."""
+
+
+def _too_big(peak: int, budget: int) -> BudgetError:
+    return BudgetError(f"the step needs {peak / 2**20:.1f} MiB for its graph on top of the resident state, "
+                       f"{(peak - budget) / 2**20:.1f} MiB more than the budget leaves ({budget / 2**20:.1f} MiB); "
+                       "use more ranks or zero3, a smaller micro-batch (accumulate more of them), or activation "
+                       "checkpointing in the model")
+
+
+def check(prog: Program, ctx: ShardContext) -> None:
+    """Strategies without decisions to make: the program fits ``ctx.graph_budget`` or BudgetError."""
+    _, peak = ctx.estimate(prog.gm)
+    if peak > ctx.graph_budget:
+        raise _too_big(peak, ctx.graph_budget)
+    prog.predicted_graph_peak = peak
+
+
+def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardContext], Program]) -> Program:
+    if ctx.estimate is None:
+        raise ValueError("a memory budget needs ShardContext.estimate (the cost model)")
+    base_ctx = dataclasses.replace(ctx, graph_budget=None, keep_gathered=frozenset())
+    base = build(base_ctx)
+    _, peak = ctx.estimate(base.gm)
+    budget = ctx.graph_budget
+    if peak > budget:
+        raise _too_big(peak, budget)
+    headroom = budget - peak
+    phs = cap.gm.graph.find_nodes(op="placeholder")[: cap.n_params]
+    nbytes = {n: ph.meta["val"].numel() * ph.meta["val"].element_size() for n, ph in zip(cap.param_names, phs)}
+    keep: list[str] = []
+    for name in reversed(cap.param_names):
+        if nbytes[name] <= headroom:
+            keep.append(name)
+            headroom -= nbytes[name]
+    while True:
+        prog = build(dataclasses.replace(base_ctx, keep_gathered=frozenset(keep)))
+        _, peak = ctx.estimate(prog.gm)
+        if peak <= budget or not keep:
+            break
+        keep.pop()  # the most recently added (earliest in forward) goes back to being sharded
+    prog = prog if keep else base
+    prog.unsharded = sorted(keep)
+    prog.predicted_graph_peak = peak if keep else ctx.estimate(base.gm)[1]
+    return prog
