@@ -73,6 +73,7 @@ def compile(
     max_in_flight_ops: int | None = None,
     memory_budget: int | float | None = None,
     keep_gathered=None,
+    offload_optimizer: bool | float = False,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -93,6 +94,9 @@ def compile(
     plan fit: under zero3 the parameters that fit stay gathered from forward to backward (no
     backward all-gather; passes/unshard.py); a step that cannot fit raises ``BudgetError`` with the
     numbers before anything runs. ``keep_gathered`` forces that decision for the named parameters.
+    ``offload_optimizer`` (zero3) keeps the master shards and optimizer state in host memory and
+    streams them through the device for the update (runtime/offload.py); a number sets the size of
+    the streamed chunks in MiB (True: 64).
 
     Example::
 
@@ -128,8 +132,10 @@ def compile(
         raise ValueError(f"max_in_flight_mb must be positive or None, got {max_in_flight_mb!r}")
     if mesh is None:
         mesh = make_mesh()
+    if offload_optimizer and strategy != "zero3":
+        raise ValueError(f"offload_optimizer is built for zero3 so far, not {strategy}: use strategy='zero3'")
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
-              clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops)
+              clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops, offload_optimizer)
     job.link_profile = link_profile
     job.memory_budget = _budget_bytes(memory_budget, mesh.device)
     if keep_gathered is not None:
@@ -168,7 +174,8 @@ class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
-                 shard_bucket_mb="auto", schedule=True, max_in_flight_mb=None, max_in_flight_ops=None):
+                 shard_bucket_mb="auto", schedule=True, max_in_flight_mb=None, max_in_flight_ops=None,
+                 offload_optimizer=False):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -193,11 +200,17 @@ class Job:
             max_ops_in_flight=1 if dist.get_backend(self.group) == "gloo" else max_in_flight_ops,
             stage=self._stage(),
         )
+        if offload_optimizer and mp.param_dtype is not None:
+            # the graph reads the device shards in the compute dtype; the fp32 masters are on the host
+            self.ctx = dataclasses.replace(self.ctx, master_dtype=mp.param_dtype)
         self._check_model_device()
         self._broadcast_initial_state()
         named = list(model.named_parameters())
         self.layouts = layouts_for([n for n, _ in named], [p.shape for _, p in named], 1 if strategy == "ddp" else self.ws)
-        self.state = ShardedState(model, strategy, self.layouts, self.rank, optimizer, mp.param_dtype)
+        self.state = ShardedState(model, strategy, self.layouts, self.rank, optimizer, mp.param_dtype,
+                                  offload=bool(offload_optimizer),
+                                  offload_chunk_bytes=int((64 if offload_optimizer is True else offload_optimizer or 64)
+                                                          * 2**20))
         self.optimizer = self.state.optimizer
         self.buffers = dict(model.named_buffers())
         self._programs: dict[tuple, tuple[Program, Callable]] = {}
@@ -377,9 +390,12 @@ class Job:
         if self.clip_grad_norm is not None:
             self.last_grad_norm, sent = self.state.clip_grad_norm_(grads, self.clip_grad_norm, self.group, self.ws)
             self.last_comm_bytes += sent
-        self.state.set_grads(grads)
         t_opt = self._sync_clock()
-        self.optimizer.step()
+        if self.state.streamer is not None:
+            self.state.streamer.step(grads)
+        else:
+            self.state.set_grads(grads)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.last_comm_bytes += self.state.sync_full_from_master(self.group, self.ws)
         if self.time_optimizer:
@@ -459,6 +475,9 @@ class Job:
             seen = {id(t): t for t in ts if not t.is_meta}
             return sum(t.numel() * t.element_size() for t in seen.values())
 
+        if self.state.streamer is not None:  # master and optimizer state live in host memory
+            return {"weights": total(self.state.compute.values()), "master": 0,
+                    "buffers": total(self.buffers.values()), "optimizer": 0}
         return {"weights": total(self.state.full.values()), "master": total(self.state.master.values()),
                 "buffers": total(self.buffers.values()), "optimizer": optimizer_state_bytes(self.optimizer)}
 

@@ -405,3 +405,13 @@ def budget_run(budget):
     pred = job.predict_memory(b)["peak"]
     _, peak = measure(job, lambda: job.step(b))
     return prog.unsharded, prog.counts(), pred, peak
+
+
+def offload_facts():
+    job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
+                     offload_optimizer=1 / 64)
+    moved = []
+    for s in range(2):
+        job.step(make_batch("llama", s, dist.get_rank()))
+        moved.append(job.state.streamer.bytes_moved)
+    return moved, job.state.streamer.host_bytes(), job.resident_bytes(), len(job.state.streamer.chunks)

@@ -1,5 +1,5 @@
-"""Selective unsharding under a memory budget (issue 5, first decision kind): which zero3 parameters
-stay gathered from forward to backward."""
+"""Issue 5's first decision kinds: selective unsharding under a memory budget (which zero3 parameters
+stay gathered from forward to backward) and optimizer-state offload (host tier, streamed updates)."""
 
 import pytest
 
@@ -49,3 +49,34 @@ def test_budget_plans_fit_and_an_impossible_budget_says_so(pools):
     res = pools(2).run_all(harness.budget_run, peak0 // 2)
     for ok, val in res:
         assert not ok and val[0] == "BudgetError" and "MiB" in val[1] and "more ranks" in val[1], val
+
+
+# -- optimizer state offload (host tier, streamed through the device in chunks) --------------------
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_parity_with_the_optimizer_offloaded(pools, ws):
+    # chunks of 16 KiB: the update of the tiny llama runs as several streamed chunks
+    check(pools, "llama", "zero3", "fp64", ws, steps=3, offload_optimizer=1 / 64, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_offload_moves_state_to_the_host_pool_and_back(pools):
+    for moved, host, on_device, chunks in pools(2).run(harness.offload_facts):
+        assert chunks > 1 and host > 0 and on_device["optimizer"] == 0 and on_device["master"] == 0
+        # per step: master + two moments in, and back out (the first step creates the moments)
+        assert moved[1] - moved[0] == 2 * host
+
+
+def test_offload_under_bf16_is_bit_identical_to_device_state():
+    import torch
+
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    res = []
+    for offload in (False, 1 / 64):
+        job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                         offload_optimizer=offload, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+        losses = [float(job.step(make_batch("llama", s, 0))) for s in range(4)]
+        res.append((losses, job.full_state_dict()))
+    assert res[0][0] == res[1][0]
+    assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])

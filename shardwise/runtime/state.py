@@ -52,6 +52,8 @@ class ShardedState:
         rank: int,
         optimizer_factory: Callable,
         param_dtype: torch.dtype | None,
+        offload: bool = False,
+        offload_chunk_bytes: int = 64 * 2**20,
     ):
         self.strategy = strategy
         self.layouts = layouts
@@ -63,12 +65,23 @@ class ShardedState:
         self.dtypes = {n: p.dtype for n, p in params.items()}
         self.full: dict[str, torch.Tensor] = {}
         self.master: dict[str, torch.Tensor] = {}
+        self.compute: dict[str, torch.Tensor] = {}  # offload: the device shards the graph reads
+        self.device = next(iter(params.values())).device
+        self.offload = offload
+        if offload and strategy != "zero3":
+            raise ValueError(f"optimizer offload is built for zero3 so far, not {strategy}")
         if strategy == "ddp":
             self.full = {n: p for n, p in params.items()}
             opt_tensors = [(n, p) for n, p in params.items() if p.requires_grad]
         else:
             for n, p in params.items():
                 shard = layouts[n].shard(p.detach(), rank)
+                if offload:
+                    keep = param_dtype is None or not p.is_floating_point()
+                    self.compute[n] = shard.clone() if keep else shard.to(param_dtype)
+                    host = torch.empty(shard.shape, dtype=shard.dtype, device="cpu",
+                                       pin_memory=self.device.type == "cuda")
+                    shard = host.copy_(shard)
                 self.master[n] = nn.Parameter(shard, requires_grad=p.requires_grad)
             if strategy in ("zero1", "zero2"):
                 for n, p in params.items():
@@ -88,6 +101,12 @@ class ShardedState:
                 f"optimizer= must be a factory returning a torch.optim.Optimizer, got {type(self.optimizer).__name__}; "
                 "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
             )
+        self.streamer = None
+        if offload:
+            from .offload import StreamedOptimizer
+
+            self.streamer = StreamedOptimizer(self.optimizer, dict(opt_tensors), self.compute, self.device,
+                                              offload_chunk_bytes)
         if strategy != "ddp" and not _elementwise(self.optimizer):
             raise ValueError(
                 f"{type(self.optimizer).__name__} is not known to be elementwise, so it cannot run on {strategy} "
@@ -98,7 +117,7 @@ class ShardedState:
 
     def param_inputs(self, full_input: bool, dtypes: dict[str, torch.dtype]) -> list[torch.Tensor]:
         """The parameter inputs of the step graph, in capture order."""
-        src = self.full if full_input else self.master
+        src = self.full if full_input else (self.compute if self.offload else self.master)
         out = []
         for n in self.names:
             t = src[n].detach()
@@ -198,7 +217,7 @@ class ShardedState:
         """The whole value of parameter ``name`` (collective: every rank must call it)."""
         if self.strategy == "ddp":
             return self.full[name].detach()
-        shard = self.master[name].detach()
+        shard = self.master[name].detach().to(self.device)
         lay = self.layouts[name]
         if ws == 1:
             return lay.unshard(shard)
