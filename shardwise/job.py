@@ -490,7 +490,7 @@ class Job:
         """
         from .costmodel import liveness, optimizer_transient
 
-        prog, _ = self._program(batch, "step")
+        prog, _ = self._compiled(batch, "step")
         res = self.resident_bytes()
         live = liveness(prog.gm, fused=self.compile_mode == "inductor")
         tensors, _, _ = flatten_batch(batch)
@@ -507,7 +507,7 @@ class Job:
         roofline from then on."""
         from .runtime.profile import node_times
 
-        prog, _ = self._program(batch, "step")
+        prog, run = self._compiled(batch, "step")
         tensors, _, _ = flatten_batch(batch)
         inputs = self._inputs(prog, tensors)
         times = node_times(prog.gm, inputs, self.mesh.device, self.ctrl)
@@ -515,7 +515,6 @@ class Job:
             # inductor fuses nodes, so their sum overstates its time: scale every node by the ratio of
             # the compiled program's measured time to that sum (exact at one rank, where the program is
             # all compute; with collectives the compiled time also holds what they expose)
-            _, run = self._program(batch, "step")
             total = sum(times.values())
             best = float("inf")
             rng = torch.get_rng_state()
@@ -537,13 +536,18 @@ class Job:
         tensors, consts, spec = flatten_batch(batch)
         return (batch_signature(spec, consts, tensors), mode)
 
+    def _compiled(self, batch, mode: str) -> tuple[Program, Callable]:
+        """The program for ``batch``: an existing one without the per-step agreement of ranks (so
+        introspection on one rank cannot hang), else compiled like a step (a collective)."""
+        return self._programs.get(self._key(batch, mode)) or self._program(batch, mode)
+
     def predict_step(self, batch) -> dict[str, float]:
         """Predicted step time for ``batch``: the two-lane simulation of the step program — measured
         compute where ``profile_compute`` ran (roofline otherwise), α-β collectives — plus the optimizer
         phase (measured when ``time_optimizer`` was on for a step, else memory-bound roofline)."""
         from .costmodel import node_time, simulate
 
-        prog, _ = self._program(batch, "step")
+        prog, _ = self._compiled(batch, "step")
         lp, dev = self.cost_inputs()
         measured = self._node_times.get(self._key(batch, "step"))
         if measured is not None:
