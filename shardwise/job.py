@@ -630,8 +630,16 @@ class Job:
                 p = sw.get("param")
                 p = ",".join(p) if isinstance(p, list) else (p or "")
                 lines.append(f"  {sw['kind']:15s} {sw['phase']:5s} {sw['bytes'] / 1024:8.1f}KiB {comm(n) * 1e6:9.1f}  {p[:60]}")
-        lines.append("placements (dp axis):")
+        lines.append("placements (dp axis) and memory decisions:")
+        kept = set(self.ctx.keep_gathered)
+        for prog in self.programs():
+            kept |= set(prog.unsharded or ())
         for n, lay in self.layouts.items():
             place = "R" if self.strategy == "ddp" else str(lay)
-            lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place}")
+            what = []
+            if self.strategy == "zero3":
+                what.append("kept gathered fwd->bwd" if n in kept else "resharded after forward")
+            if self.state.streamer is not None:
+                what.append("master+optimizer state on host, streamed")
+            lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
         return "\n".join(lines)

@@ -41,3 +41,24 @@ def test_cuda_fp32_parity_ws2(pools, strategy):
 def test_cuda_parity_nccl_ws2(pools, strategy, name):
     # two GPUs over NCCL, scheduler on (several collectives in flight on NCCL's stream)
     check(pools, name, strategy, "fp64", 2, steps=4, device="cuda", backend="nccl", loss_tol=1e-10, param_tol=1e-10)
+
+
+@needs_cuda
+def test_cuda_offload_streams_match_device_state():
+    # the streamed update (pinned host buffers, H2D/D2H streams, events) against the state kept on
+    # the GPU: bit-identical under bf16 compute
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    res = []
+    for offload in (False, 1 / 64):
+        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
+                         mesh=sw.mesh(dp=1, device="cuda"), offload_optimizer=offload,
+                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+        losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
+        res.append((losses, job.full_state_dict()))
+        if offload:
+            assert all(p.is_pinned() for p in job.state.master.values())
+            assert len(job.state.streamer.chunks) > 1
+    assert res[0][0] == res[1][0]
+    assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])

@@ -80,3 +80,27 @@ def test_offload_under_bf16_is_bit_identical_to_device_state():
         res.append((losses, job.full_state_dict()))
     assert res[0][0] == res[1][0]
     assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+
+
+def test_explain_shows_each_parameters_decisions():
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                     offload_optimizer=True, keep_gathered=["head.weight"])
+    job.step(make_batch("llama", 0, 0))
+    rows = {ln.split()[0]: ln for ln in job.explain().splitlines() if ln.startswith("  ") and "S(0)" in ln}
+    assert "kept gathered fwd->bwd" in rows["head.weight"] and "resharded after forward" in rows["norm.weight"]
+    assert all("on host, streamed" in r for r in rows.values())
+
+
+def test_bad_memory_options_are_refused():
+    import shardwise as sw
+    from harness import adamw, make_model
+
+    for kw, msg in [({"memory_budget": -1}, "positive"), ({"memory_budget": 1.5}, "fraction"),
+                    ({"keep_gathered": ["nope"]}, "does not have"),
+                    ({"offload_optimizer": True, "strategy": "zero1"}, "zero3")]:
+        kw = {"strategy": "zero3", **kw}
+        with pytest.raises(ValueError, match=msg):
+            sw.compile(make_model("llama", "fp32"), optimizer=adamw, mesh=sw.mesh(dp=1), **kw)
