@@ -74,6 +74,7 @@ def compile(
     memory_budget: int | float | None = None,
     keep_gathered=None,
     offload_optimizer: bool | float = False,
+    recompute: bool = False,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -96,7 +97,8 @@ def compile(
     numbers before anything runs. ``keep_gathered`` forces that decision for the named parameters.
     ``offload_optimizer`` (zero3) keeps the master shards and optimizer state in host memory and
     streams them through the device for the update (runtime/offload.py); a number sets the size of
-    the streamed chunks in MiB (True: 64).
+    the streamed chunks in MiB (True: 64). ``recompute`` recomputes cheap elementwise activations in
+    the backward instead of keeping them (passes/recompute.py); a budget turns it on when needed.
 
     Example::
 
@@ -145,6 +147,8 @@ def compile(
         if unknown:
             raise ValueError(f"keep_gathered names parameters the model does not have: {unknown[:5]}")
         job.ctx = dataclasses.replace(job.ctx, keep_gathered=frozenset(keep_gathered))
+    if recompute:
+        job.ctx = dataclasses.replace(job.ctx, recompute=True)
     return job
 
 
@@ -600,6 +604,8 @@ class Job:
                 f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
                 f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
+            if prog.recomputed:
+                lines.append(f"  recomputed in backward ({len(prog.recomputed)}): {', '.join(prog.recomputed)[:300]}")
             if prog.unsharded is not None:
                 lines.append(f"  memory budget {self.memory_budget / 2**20:.1f} MiB: kept gathered forward to backward "
                              f"({len(prog.unsharded)}): {', '.join(prog.unsharded)[:300]}")

@@ -394,16 +394,19 @@ def rank_dependent_plan():
     job.step(make_batch("gpt", 0, dist.get_rank()))
 
 
-def budget_run(budget):
-    """(planned unsharded params, collective counts, predicted peak, measured peak, resident) under a budget."""
+def budget_run(budget, recompute=False, with_recomputed=False):
+    """(planned unsharded params, collective counts, predicted peak, measured peak) under a budget."""
     from shardwise.runtime.memory import measure
 
-    job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(), memory_budget=budget)
+    job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(), memory_budget=budget,
+                     recompute=recompute)
     b = make_batch("llama", 0, dist.get_rank())
     job.step(b)
     prog = job.programs()[0]
     pred = job.predict_memory(b)["peak"]
     _, peak = measure(job, lambda: job.step(b))
+    if with_recomputed:
+        return prog.unsharded, prog.recomputed, pred, peak
     return prog.unsharded, prog.counts(), pred, peak
 
 

@@ -104,3 +104,38 @@ def test_bad_memory_options_are_refused():
         kw = {"strategy": "zero3", **kw}
         with pytest.raises(ValueError, match=msg):
             sw.compile(make_model("llama", "fp32"), optimizer=adamw, mesh=sw.mesh(dp=1), **kw)
+
+
+# -- selective recomputation -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_recompute_moves_elementwise_activations_into_the_backward(strategy):
+    from shardwise.capture import forward_nodes
+    from shardwise.costmodel import liveness
+
+    _, cap = captured("llama")
+    base = shard_step(cap, strategy, ShardContext(4, "g", schedule=False))
+    prog = shard_step(cap, strategy, ShardContext(4, "g", schedule=False, recompute=True))
+    assert prog.recomputed
+    fwd = forward_nodes(prog.gm)
+    out = prog.gm.graph.find_nodes(op="output")[0]
+    by_name = {n.name: n for n in prog.gm.graph.nodes}
+    for name in prog.recomputed:
+        n = by_name[name]
+        assert all(u in fwd for u in n.users if u is not out)  # the forward copy dies in the forward
+    assert liveness(prog.gm).peak < liveness(base.gm).peak
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_parity_with_recompute(pools, strategy, ws):
+    check(pools, "llama", strategy, "fp64", ws, steps=3, recompute=True, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_a_budget_turns_recompute_on_when_resharding_is_not_enough(pools):
+    _, _, _, peak_base = pools(2).run(harness.budget_run, None, False, True)[0]
+    _, rec, _, peak_rec = pools(2).run(harness.budget_run, None, True, True)[0]
+    assert rec and peak_rec < peak_base
+    budget = (peak_base + peak_rec) // 2
+    _, rec_b, pred, peak = pools(2).run(harness.budget_run, budget, False, True)[0]
+    assert rec_b == rec and peak <= budget and abs(pred - peak) <= 0.05 * peak

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 
 from ..capture import Capture
-from . import _emit, accumulate, bucket, ddp, schedule, unshard, zero
+from . import _emit, accumulate, bucket, ddp, recompute, schedule, unshard, zero
 from .program import Program, ShardContext
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -27,9 +27,13 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
         if strategy == "zero3":
             return unshard.plan(cap, ctx, mode, lambda c: shard_step(cap, strategy, c, mode))
         prog = shard_step(cap, strategy, dataclasses.replace(ctx, graph_budget=None), mode)
+        if ctx.estimate(prog.gm)[1] > ctx.graph_budget and not ctx.recompute:
+            prog = shard_step(cap, strategy, dataclasses.replace(ctx, graph_budget=None, recompute=True), mode)
         unshard.check(prog, ctx)
         return prog
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
+    if ctx.recompute:
+        prog.recomputed = recompute.apply(prog.gm)
     starts = _emit.collectives(prog.gm)
     if ctx.shard_bucket_bytes == "auto" and strategy != "ddp" and starts and ctx.ws > 1:
         return _auto_buckets(prog, ctx, mode, starts)

@@ -38,6 +38,9 @@ class ShardContext:
     keep_gathered: frozenset = frozenset()
     """zero3 parameters whose forward all-gather is kept for the backward (selective unsharding):
     no backward all-gather, at the price of the whole weight living from forward to backward."""
+    recompute: bool = False
+    """Recompute cheap elementwise forward results in the backward instead of keeping them
+    (passes/recompute.py)."""
     graph_budget: int | None = None
     """Bytes the step graph may use on top of resident state (``memory_budget`` minus what the job
     holds); with it, zero3 keeps gathered as many parameters as fit (passes/unshard.py)."""
@@ -74,6 +77,8 @@ class Program:
     """How many multi-parameter buckets the bucketing pass made."""
     bucket_choice: list | None = None
     """With ``shard_bucket_bytes="auto"``: (bucket bytes, predicted s, predicted peak, chosen) per candidate."""
+    recomputed: list | None = None
+    """Forward nodes the backward recomputes (passes/recompute.py), when that pass ran."""
     unsharded: list | None = None
     """Under a memory budget (zero3): the parameters kept gathered from forward to backward."""
     predicted_graph_peak: int | None = None

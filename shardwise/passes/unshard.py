@@ -1,5 +1,8 @@
 """Selective unsharding under a memory budget: which zero3 parameters stay gathered from forward to backward.
 
+First the plan must fit with every parameter resharded; if it does not, selective recomputation
+(passes/recompute.py) is turned on, and if it still does not, ``BudgetError``.
+
 A parameter kept gathered needs no backward all-gather (one collective and its latency fewer per
 step) but its whole weight lives from its forward use to its last backward use. Every such weight is
 live at the forward/backward boundary, so each one adds its bytes to the peak there. The plan is a
@@ -44,6 +47,11 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
     base = build(base_ctx)
     _, peak = ctx.estimate(base.gm)
     budget = ctx.graph_budget
+    if peak > budget and not ctx.recompute:
+        # recomputing elementwise activations frees what they held; then unsharding may use the rest
+        base_ctx = dataclasses.replace(base_ctx, recompute=True)
+        base = build(base_ctx)
+        _, peak = ctx.estimate(base.gm)
     if peak > budget:
         raise _too_big(peak, budget)
     headroom = budget - peak

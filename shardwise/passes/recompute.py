@@ -1,0 +1,62 @@
+"""Selective recomputation: elementwise forward results are recomputed in the backward, not kept.
+
+A forward value read by the backward stays alive from the forward into the backward. When it is a
+cheap elementwise function of values that stay alive anyway (matrix-product outputs the backward
+needs, inputs), the backward can recompute it where it needs it, and the forward copy dies after
+its last forward use: the memory of saved activations shrinks for a few elementwise kernels. This
+is the policy of activation-memory papers' "selective recomputation" and of torch's min-cut
+partitioner, made here on the joint graph.
+
+Decided in forward order so that every recomputed node reads only values that are kept: a value
+is recomputed when all its tensor inputs are placeholders or forward values the backward keeps
+(and that are not themselves recomputed). A copy of the node is placed right before its first
+backward reader; recomputation is deterministic elementwise arithmetic, so results are identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..capture import forward_nodes
+
+aten = torch.ops.aten
+
+
+def _elementwise(n: fx.Node) -> bool:
+    t = n.target
+    return n.op == "call_function" and (t is aten._to_copy.default or torch.Tag.pointwise in getattr(t, "tags", ()))
+
+
+def apply(gm: fx.GraphModule) -> list[str]:
+    """Rewrite ``gm`` in place; returns the names of the recomputed forward nodes."""
+    g = gm.graph
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    fwd = forward_nodes(gm)
+    out = g.find_nodes(op="output")[0]
+
+    def bwd_users(n):
+        return [u for u in n.users if u not in fwd and u is not out]
+
+    kept = {n for n in nodes if n in fwd and n.op != "placeholder" and bwd_users(n)}
+    done = []
+    for n in nodes:
+        if n not in kept or not _elementwise(n) or out in n.users:
+            continue
+        if n.meta.get("sw") is not None or any(isinstance(a, fx.Node) and a.meta.get("sw") is not None
+                                                for a in n.all_input_nodes):
+            continue
+        if not all(a.op == "placeholder" or a in kept for a in n.all_input_nodes):
+            continue
+        users = sorted(bwd_users(n), key=pos.__getitem__)
+        with g.inserting_before(users[0]):
+            again = g.node_copy(n)
+        again.meta = dict(n.meta)
+        for u in users:
+            u.replace_input_with(n, again)
+        kept.discard(n)
+        done.append(n.name)
+    g.lint()
+    gm.recompile()
+    return done
