@@ -15,7 +15,8 @@ def _train_parser(sub) -> None:
         "torchrun, where it uses NCCL on GPUs. One line per step on rank 0: loss (mean over ranks), tokens/s, "
         "per-rank peak memory (CUDA max allocated; on CPU the MemTracker live-tensor peak, measured every "
         "--mem-every steps and marked with the step it was measured at), bytes each rank sent, the cost "
-        "model's predicted step time and the exposed communication measured with torch.profiler at step 3.",
+        "model's predicted step time (compute measured per node after step 2) and the exposed communication "
+        "measured with torch.profiler at step 3.",
     )
     _model_args(p)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
@@ -70,7 +71,7 @@ def explain_main(args) -> None:
     mesh = sw.mesh()
     model, seq, mp = _build_model(args, mesh)
     job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), strategy=args.strategy, mesh=mesh,
-                     mixed_precision=mp, link_profile=args.link_profile, compile=args.compile)
+                     mixed_precision=mp, link_profile=args.link_profile, compile=args.compile, **_memory_kw(args))
     x, y = (t.to(mesh.device) for t in SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed).get(0, dist.get_rank()))
     mem = job.predict_memory((x, y))  # before the first step: nothing has run yet
     job.time_optimizer = True
@@ -106,6 +107,15 @@ def explain_main(args) -> None:
     dist.destroy_process_group()
 
 
+def _memory_kw(args) -> dict:
+    """compile() keywords of the shared memory flags."""
+    b = args.memory_budget
+    if b is not None and b <= 0:
+        raise SystemExit(f"--memory-budget must be positive, got {b}")
+    budget = None if b is None else (int(b * 2**30) if b > 1 else float(b))
+    return {"memory_budget": budget, "offload_optimizer": args.offload_optimizer, "recompute": args.recompute}
+
+
 def _build_model(args, mesh, **overrides):
     """(model on the mesh's device, sequence length, precision policy) from the shared model flags."""
     import torch
@@ -133,6 +143,13 @@ def _model_args(p) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32",
                    help="fp32; bf16 = bf16 compute with fp32 master weights and fp32 reduction; fp64")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help="per-rank memory budget: GiB if > 1, else a fraction of the device's usable memory; the "
+                        "plan keeps parameters gathered / recomputes to fit, or stops with the numbers")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="zero3: master weights and optimizer state in host memory, streamed for the update")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute cheap elementwise activations in the backward instead of keeping them")
 
 
 def _bench_parser(sub) -> None:
@@ -270,16 +287,39 @@ def train_main(args) -> None:
         mixed_precision=mp,
         compile=args.compile,
         clip_grad_norm=args.clip,
+        **_memory_kw(args),
     )
     sched = cosine_with_warmup(job.optimizer, args.warmup, args.steps) if args.lr_schedule == "cosine" else None
     if args.data:
         data = ByteFile(args.data, seq, args.batch, rank, ws, args.seed)
     else:
         data = SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed)
+    n = sum(p.numel() for p in model.parameters())
+    from shardwise.passes.unshard import BudgetError
+
+    plan = None
+    if args.grad_accum == 1:
+        try:  # compiles the step program: the plan and its predicted peak exist before step 1
+            plan = job.predict_memory(tuple(t.to(mesh.device) for t in data.get(0, rank)))
+        except BudgetError as e:
+            if rank == 0:
+                print(f"shardwise train: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     if rank == 0:
-        n = sum(p.numel() for p in model.parameters())
         print(f"shardwise train: {args.model}/{args.size} ({n / 1e6:.2f} M params) {args.strategy} on {mesh}, "
               f"batch {args.batch}x{seq} per rank, {args.precision}, executor {args.compile}", flush=True)
+    if rank == 0 and plan is not None:
+        prog = job.programs()[0]
+        extra = ""
+        if job.memory_budget is not None:
+            extra += f" under a budget of {_fmt_bytes(job.memory_budget)}"
+        if prog.unsharded:
+            extra += f"; {len(prog.unsharded)} parameters kept gathered"
+        if prog.recomputed:
+            extra += f"; {len(prog.recomputed)} activations recomputed"
+        if job.state.streamer is not None:
+            extra += "; optimizer state on the host"
+        print(f"plan: predicted peak {_fmt_bytes(plan['peak'])} per rank{extra}", flush=True)
     peak, peak_step, first = None, None, None
     exposed, pred_ms = None, None
     k = args.grad_accum
@@ -303,6 +343,7 @@ def train_main(args) -> None:
         loss_v = float(loss)
         dt = time.perf_counter() - t0
         if step == 1 and k == 1:
+            job.profile_compute(batch)  # measured compute (max over ranks) for the prediction
             pred_ms = job.predict_step(batch)["step_s"] * 1e3
         peaks = torch.tensor([peak if peak is not None else -1], dtype=torch.int64)
         allp = [torch.zeros_like(peaks) for _ in range(ws)]
