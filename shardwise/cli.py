@@ -289,6 +289,7 @@ def train_main(args) -> None:
         clip_grad_norm=args.clip,
         **_memory_kw(args),
     )
+    job.replan_at = 4  # steps 2 and 3 are measured and profiled by this loop itself
     sched = cosine_with_warmup(job.optimizer, args.warmup, args.steps) if args.lr_schedule == "cosine" else None
     if args.data:
         data = ByteFile(args.data, seq, args.batch, rank, ws, args.seed)
@@ -364,6 +365,10 @@ def train_main(args) -> None:
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
                   f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {_fmt_bytes(job.last_comm_bytes)}{extra}",
                   flush=True)
+        if rank == 0 and job.replans and job.replans[-1]["step"] == step:
+            r = job.replans[-1]
+            print(f"re-plan after step {step + 1}: measured peak {_fmt_bytes(r['measured'])} vs predicted "
+                  f"{_fmt_bytes(r['predicted'])}; holding back {_fmt_bytes(r['held_back'])}", flush=True)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             # held-out batches: indices no training step draws
             ev = [float(job.eval_step(tuple(t.to(mesh.device) for t in data.get(10**9 + i, rank)))) for i in range(2)]

@@ -224,6 +224,9 @@ class Job:
         self.last_grad_norm: torch.Tensor | None = None
         self.steps = 0
         self.memory_budget: int | None = None
+        self.replan_at = 2  # the step whose measured peak checks a budgeted plan
+        self.replans: list[dict] = []
+        self._memory_slack = 0  # bytes the memory model under-predicted, learned from a measured step
         self.time_optimizer = False  # set to time the optimizer phase of each step (syncs the GPU)
         self.last_optimizer_s: float | None = None
         self._node_times: dict[tuple, dict[str, float]] = {}
@@ -322,7 +325,7 @@ class Job:
 
         held = sum(self.resident_bytes().values())
         held += sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
-        left = self.memory_budget - held
+        left = self.memory_budget - held - self._memory_slack
         if left <= 0:
             raise BudgetError(
                 f"memory_budget {self.memory_budget / 2**20:.1f} MiB is less than the state this rank holds "
@@ -361,7 +364,34 @@ class Job:
     def step(self, batch) -> torch.Tensor:
         """One optimizer step. ``batch`` is passed to the model as ``model(**batch)`` / ``model(*batch)``;
         a list of batches is a list of micro-batches whose gradients are averaged before the step.
-        Returns the loss averaged over micro-batches and data-parallel ranks."""
+        Returns the loss averaged over micro-batches and data-parallel ranks.
+
+        Under a ``memory_budget`` step ``replan_at`` is measured against its prediction: when the
+        measured peak (the maximum over ranks) is over the budget or more than 10% off, the plan is
+        made again with the difference held back, the same on every rank (``job.replans``)."""
+        if (self.memory_budget is not None and self.steps + 1 == self.replan_at
+                and not isinstance(batch, list)):
+            from .runtime.memory import measure
+
+            pred = self.predict_memory(batch)["peak"]
+            loss, peak = measure(self, lambda: self._step(batch))
+            self._check_plan(pred, peak)
+            return loss
+        return self._step(batch)
+
+    def _check_plan(self, predicted: int, measured: int) -> None:
+        v = torch.tensor([predicted, measured], dtype=torch.float64)
+        if self.ws > 1:
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.ctrl)
+        predicted, measured = int(v[0]), int(v[1])
+        if measured <= self.memory_budget and abs(measured - predicted) <= 0.10 * predicted:
+            return
+        self._memory_slack = max(0, measured - predicted)
+        self.replans.append({"step": self.steps, "predicted": predicted, "measured": measured,
+                             "held_back": self._memory_slack})
+        self._programs.clear()  # the next step compiles the plan again under the corrected budget
+
+    def _step(self, batch) -> torch.Tensor:
         micro = batch if isinstance(batch, list) else [batch]
         if not micro:
             raise ValueError("step([]) got no micro-batches")

@@ -139,3 +139,20 @@ def test_a_budget_turns_recompute_on_when_resharding_is_not_enough(pools):
     budget = (peak_base + peak_rec) // 2
     _, rec_b, pred, peak = pools(2).run(harness.budget_run, budget, False, True)[0]
     assert rec_b == rec and peak <= budget and abs(pred - peak) <= 0.05 * peak
+
+
+def test_a_plan_the_measurement_contradicts_is_made_again_on_every_rank(pools):
+    # offload on CPU: MemTracker also counts the host pool (master + moments), which the device-memory
+    # model leaves out. The budget lets the prediction keep every parameter gathered, but not once
+    # the measured gap is held back: the plan is made again, with fewer kept, the same on both ranks.
+    names = tuple(captured("llama")[1].param_names)
+    base, host = pools(2).run(harness.predicted_peak, offload_optimizer=True)[0]
+    kept_all, _ = pools(2).run(harness.predicted_peak, offload_optimizer=True, keep_gathered=names)[0]
+    budget = kept_all + host - (kept_all - base) // 2
+    res = pools(2).run(harness.replan_run, budget)
+    (replans, before, after, peak), (replans1, *_rest) = res
+    assert replans == replans1 and len(replans) == 1
+    r = replans[0]
+    assert r["held_back"] == r["measured"] - r["predicted"] > 0
+    assert len(before) == len(names) and 0 < len(after) < len(before)
+    assert peak <= budget
