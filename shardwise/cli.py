@@ -365,7 +365,7 @@ def train_main(args) -> None:
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
                   f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {_fmt_bytes(job.last_comm_bytes)}{extra}",
                   flush=True)
-        if rank == 0 and job.replans and job.replans[-1]["step"] == step:
+        if rank == 0 and job.replans and job.replans[-1]["step"] == step + 1:
             r = job.replans[-1]
             print(f"re-plan after step {step + 1}: measured peak {_fmt_bytes(r['measured'])} vs predicted "
                   f"{_fmt_bytes(r['predicted'])}; holding back {_fmt_bytes(r['held_back'])}", flush=True)

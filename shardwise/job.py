@@ -387,7 +387,7 @@ class Job:
         if measured <= self.memory_budget and abs(measured - predicted) <= 0.10 * predicted:
             return
         self._memory_slack = max(0, measured - predicted)
-        self.replans.append({"step": self.steps, "predicted": predicted, "measured": measured,
+        self.replans.append({"step": self.steps, "predicted": predicted, "measured": measured,  # steps done
                              "held_back": self._memory_slack})
         self._programs.clear()  # the next step compiles the plan again under the corrected budget
 
