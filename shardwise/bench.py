@@ -14,7 +14,8 @@ reduction; or fp32) and the same activation-checkpointing setting, then:
   timed steps.
 
 Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off) — either may
-carry options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` — ``compile``
+carry options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` or
+``shardwise:offload=1+recompute=1+budget_gb=30`` — ``compile``
 (plain torch.compile on each rank's batch, no communication: the single-device ceiling), ``ddp``,
 ``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (the same, then torch.compile),
 ``deepspeed`` (ZeRO-3) and ``deepcompile`` where deepspeed is installed on a CUDA machine. A system
@@ -70,6 +71,8 @@ class BenchConfig:
     lr: float = 1e-4
     seed: int = 0
     systems: list[str] = field(default_factory=lambda: ["shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2"])
+    memory_fraction: float | None = None
+    """CUDA: cap every system at this fraction of device memory (``set_per_process_memory_fraction``)."""
 
     def __post_init__(self):
         bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
@@ -83,6 +86,8 @@ class BenchConfig:
             raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
         if self.executor not in ("auto", "fx", "inductor"):
             raise ValueError(f"bench: executor must be auto, fx or inductor, got {self.executor!r}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"bench: --memory-fraction must be in (0, 1], got {self.memory_fraction}")
         if self.steps < 1 or self.warmup < 1:
             raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
 
@@ -177,7 +182,9 @@ def _deepspeed(system, cfg, model, device):
 
 # options a shardwise system may carry after a colon: ``shardwise:ops=1+inflight_mb=64+bucket_mb=128``
 _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb", float),
-            "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str)}
+            "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str),
+            "offload": ("offload_optimizer", lambda v: bool(int(v))), "recompute": ("recompute", lambda v: bool(int(v))),
+            "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30))}
 
 
 def _options(system: str) -> dict:
@@ -240,6 +247,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         row["pred_peak_mem_gb"] = job.predict_memory(batches[0])["peak"] / 1e9
         step, opt = job.step, job.optimizer
         job.time_optimizer = True
+        job.replan_at = 1  # under a budget: measured and, if need be, re-planned inside the warm-up
     else:
         step, opt = _peer(system, cfg, model, device)
     for i in range(cfg.warmup):
@@ -318,6 +326,10 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
     device = _device()
     rank, ws = dist.get_rank(), dist.get_world_size()
     ctrl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    if cfg.memory_fraction is not None:
+        if device.type != "cuda":
+            raise ValueError("bench: --memory-fraction caps CUDA memory; this run has no GPU")
+        torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
     rows = []
     for system in cfg.systems:
         t0 = time.perf_counter()

@@ -173,6 +173,8 @@ def _bench_parser(sub) -> None:
                    help="shardwise's executor (auto: inductor on CUDA, fx on CPU)")
     p.add_argument("--out", default="bench/results", help="directory for the JSON and PNG (default bench/results)")
     p.add_argument("--name", default=None, help="run name (default: date-bench-model-size-wsN-device)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="CUDA: cap every system at this fraction of device memory, e.g. 0.2285 of an H200 = 32 GiB")
 
 
 def bench_main(args) -> None:
@@ -183,7 +185,8 @@ def bench_main(args) -> None:
 
     cfg = BenchConfig(model=args.model, size=args.size, batch=args.batch, seq=args.seq, precision=args.precision,
                       checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
-                      warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s])
+                      warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
+                      memory_fraction=args.memory_fraction)
     ensure_process_group()
     bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]))
     dist.barrier()

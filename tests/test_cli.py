@@ -104,14 +104,16 @@ def test_bench_writes_json_and_plot(tmp_path):
     import json
 
     out = run_cli("bench", "--model", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
-                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0,ddp,fsdp2", "--out", str(tmp_path),
+                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0,shardwise:offload=1+recompute=1+budget_gb=1,ddp,fsdp2",
+                  "--out", str(tmp_path),
                   "--name", "t")
     rec = json.loads((tmp_path / "t.json").read_text())
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     for k in ("name", "date", "machine", "gpus", "versions", "command", "config", "results"):
         assert k in rec
     rows = {r["system"]: r for r in rec["results"]}
-    assert set(rows) == {"shardwise", "shardwise-noopt:bucket_mb=0", "ddp", "fsdp2"}, out
+    assert set(rows) == {"shardwise", "shardwise-noopt:bucket_mb=0", "shardwise:offload=1+recompute=1+budget_gb=1",
+                         "ddp", "fsdp2"}, out
     for r in rows.values():
         assert "error" not in r, r
         assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] == rec["config"]["batch"] * 16 / r["step_s"]
