@@ -491,14 +491,21 @@ class Job:
             dev = next((d for k, d in DEVICES.items() if k in name), DEVICES["h200"])
         return lp, dev
 
-    def _estimate(self, gm) -> tuple[float, int]:
-        """The cost model on a finished program (roofline compute, α-β collectives, liveness)."""
-        from .costmodel import liveness, node_time, simulate
+    def _timeline(self, gm, measured: dict[str, float] | None = None):
+        """(two-lane simulation of ``gm``, compute source): ``measured`` per-node seconds where given,
+        else the roofline; collectives from the α-β link profile."""
+        from .costmodel import node_time, simulate
 
         lp, dev = self.cost_inputs()
-        tl = simulate(gm, lambda n: node_time(n, dev),
-                      lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
-        return tl.step_s, liveness(gm, fused=self.compile_mode == "inductor").peak
+        compute = (lambda n: measured.get(n.name, 0.0)) if measured is not None else (lambda n: node_time(n, dev))
+        tl = simulate(gm, compute, lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
+        return tl, "measured" if measured is not None else "roofline"
+
+    def _estimate(self, gm) -> tuple[float, int]:
+        """The cost model on a finished program (roofline compute, α-β collectives, liveness)."""
+        from .costmodel import liveness
+
+        return self._timeline(gm)[0].step_s, liveness(gm, fused=self.compile_mode == "inductor").peak
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: whole weights, master shards, buffers, optimizer state
@@ -579,20 +586,11 @@ class Job:
         """Predicted step time for ``batch``: the two-lane simulation of the step program — measured
         compute where ``profile_compute`` ran (roofline otherwise), α-β collectives — plus the optimizer
         phase (measured when ``time_optimizer`` was on for a step, else memory-bound roofline)."""
-        from .costmodel import node_time, simulate
-
         prog, _ = self._compiled(batch, "step")
-        lp, dev = self.cost_inputs()
-        measured = self._node_times.get(self._key(batch, "step"))
-        if measured is not None:
-            compute = lambda n: measured.get(n.name, 0.0)  # noqa: E731
-        else:
-            compute = lambda n: node_time(n, dev)  # noqa: E731
-        tl = simulate(prog.gm, compute, lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
-        opt = self._optimizer_s(dev)
+        tl, src = self._timeline(prog.gm, self._node_times.get(self._key(batch, "step")))
+        opt = self._optimizer_s(self.cost_inputs()[1])
         return {"step_s": tl.step_s + opt, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
-                "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s,
-                "compute_source": "measured" if measured is not None else "roofline", "timeline": tl}
+                "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s, "compute_source": src, "timeline": tl}
 
     def _optimizer_s(self, dev) -> float:
         """The optimizer phase: measured if a step ran with ``time_optimizer``, else a memory-bound
@@ -613,8 +611,6 @@ class Job:
     def explain(self) -> str:
         """The plan: strategy, mesh, placements, and per compiled program its collectives with bytes,
         predicted time and exposure, and the predicted step (two-lane simulation of the schedule)."""
-        from .costmodel import node_time, simulate
-
         lp, dev = self.cost_inputs()
         lines = [f"strategy={self.strategy} {self.mesh} precision={self.mp}", f"link profile: {lp}",
                  f"compute: roofline on {dev.name} ({dev.flops / 1e12:.1f} TFLOP/s, {dev.bandwidth / 1e9:.0f} GB/s)"]
@@ -624,10 +620,7 @@ class Job:
             def comm(n, ws=self.ws):
                 return lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], ws)
 
-            measured = self._node_times.get((sig, mode))
-            src = "measured" if measured is not None else "roofline"
-            tl = simulate(prog.gm, (lambda n: measured.get(n.name, 0.0)) if measured is not None
-                          else (lambda n: node_time(n, dev)), comm)
+            tl, src = self._timeline(prog.gm, self._node_times.get((sig, mode)))
             lines.append(
                 f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
                 f"reduce_scatter={c['reduce_scatter']} all_reduce={c['all_reduce']}; {prog.comm_bytes() / 2**20:.2f} MiB "
