@@ -249,3 +249,11 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def elementwise(n: fx.Node) -> bool:
+    """An ATen elementwise op (tagged pointwise, or a dtype cast): cheap to recompute, and what
+    inductor fuses into its consumers."""
+    t = n.target
+    return n.op == "call_function" and (t is torch.ops.aten._to_copy.default
+                                        or torch.Tag.pointwise in getattr(t, "tags", ()))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..capture import elementwise
 from .compute import _bytes
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -33,11 +34,6 @@ def _extern(n: fx.Node) -> bool:
     return n.op == "call_function" and (n.meta.get("sw") is not None or any(k in str(n.target) for k in _EXTERN))
 
 
-def _pointwise(n: fx.Node) -> bool:
-    t = n.target
-    return t is aten._to_copy.default or torch.Tag.pointwise in getattr(t, "tags", ())
-
-
 READS = 4
 """Inductor realizes (stores) an elementwise result with several consumers once it reads more than
 this many buffers (its ``realize_reads_threshold``); below that each consumer recomputes it."""
@@ -46,7 +42,7 @@ this many buffers (its ``realize_reads_threshold``); below that each consumer re
 def _inlined(n: fx.Node, out: fx.Node, reads: frozenset) -> bool:
     """Inductor computes this elementwise node inside its consumers' kernels rather than storing it:
     not a graph output, not the input of a library kernel, and one consumer or few buffers read."""
-    if not _pointwise(n) or out in n.users or any(_extern(u) for u in n.users):
+    if not elementwise(n) or out in n.users or any(_extern(u) for u in n.users):
         return False
     return len(n.users) == 1 or len(reads) <= READS
 

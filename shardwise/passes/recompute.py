@@ -15,17 +15,9 @@ backward reader; recomputation is deterministic elementwise arithmetic, so resul
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from ..capture import forward_nodes
-
-aten = torch.ops.aten
-
-
-def _elementwise(n: fx.Node) -> bool:
-    t = n.target
-    return n.op == "call_function" and (t is aten._to_copy.default or torch.Tag.pointwise in getattr(t, "tags", ()))
+from ..capture import elementwise, forward_nodes
 
 
 def apply(gm: fx.GraphModule) -> list[str]:
@@ -42,7 +34,7 @@ def apply(gm: fx.GraphModule) -> list[str]:
     kept = {n for n in nodes if n in fwd and n.op != "placeholder" and bwd_users(n)}
     done = []
     for n in nodes:
-        if n not in kept or not _elementwise(n) or out in n.users:
+        if n not in kept or not elementwise(n) or out in n.users:
             continue
         if n.meta.get("sw") is not None or any(isinstance(a, fx.Node) and a.meta.get("sw") is not None
                                                 for a in n.all_input_nodes):
