@@ -177,12 +177,7 @@ class ShardedState:
             sent += (ws - 1) * shard.numel() * shard.element_size()
             if ws == 1:
                 full.copy_(lay.unshard(shard))
-            elif (
-                lay.pad_rows == 0
-                and full.is_contiguous()
-                and full.numel() * full.element_size() >= IN_PLACE_BYTES
-                and not _host_staged(group, full)
-            ):
+            elif self._gathers_in_place(n, group):
                 c10d.wait_tensor(c10d.all_gather_into_tensor_out(shard, ws, group.group_name, out=full.view(lay.padded_shape)))
             else:
                 by_dtype.setdefault(full.dtype, []).append(n)
@@ -197,6 +192,13 @@ class ShardedState:
                 off += k
         return sent
 
+    def _gathers_in_place(self, name: str, group: dist.ProcessGroup) -> bool:
+        """Whether ``sync_full_from_master`` gathers ``name`` straight into its whole storage (rows split
+        evenly, contiguous, large enough, no host staging) rather than through the flat buffer."""
+        full, lay = self.full[name], self.layouts[name]
+        return (lay.pad_rows == 0 and full.is_contiguous() and full.numel() * full.element_size() >= IN_PLACE_BYTES
+                and not _host_staged(group, full))
+
     def sync_transient_bytes(self, group: dist.ProcessGroup, ws: int) -> int:
         """Bytes ``sync_full_from_master`` allocates at once: the flat shards of the parameters not
         gathered in place, and their gathered copy (ws times as large)."""
@@ -207,8 +209,7 @@ class ShardedState:
             full, lay = self.full[n], self.layouts[n]
             if not self.trainable[n]:
                 continue
-            if not (lay.pad_rows == 0 and full.is_contiguous() and full.numel() * full.element_size() >= IN_PLACE_BYTES
-                    and not _host_staged(group, full)):
+            if not self._gathers_in_place(n, group):
                 flat += lay.local_numel * full.element_size()
         return (ws + 1) * flat
 
