@@ -201,15 +201,10 @@ def _options(system: str) -> dict:
 
 
 def _cpu_peak(fn, model, opt) -> int | None:
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from .runtime.memory import tracked_peak
 
     try:
-        mt = MemTracker()
-        mt.track_external(model, opt)
-        with mt:
-            fn()
-        peak = mt.get_tracker_snapshot("peak")
-        return int(sum(d.get("Total", 0) for d in peak.values()))
+        return tracked_peak(fn, model, opt)[1]
     except Exception:  # noqa: BLE001 - MemTracker does not follow every wrapper; then no number
         fn()
         return None

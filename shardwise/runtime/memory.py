@@ -29,10 +29,16 @@ def measure(job, fn: Callable[[], object]) -> tuple[object, int]:
         torch.cuda.reset_peak_memory_stats(dev)
         out = fn()
         return out, torch.cuda.max_memory_allocated(dev)
+    return tracked_peak(fn, job.optimizer, *tracked_tensors(job))
+
+
+def tracked_peak(fn: Callable[[], object], *external) -> tuple[object, int]:
+    """(``fn()``, MemTracker's live-tensor peak over the call), counting ``external`` (modules,
+    optimizers, tensors that exist before the call) as held throughout."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
-    mt.track_external(job.optimizer, *tracked_tensors(job))
+    mt.track_external(*external)
     with mt:
         out = fn()
     peak = mt.get_tracker_snapshot("peak")
