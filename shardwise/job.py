@@ -205,8 +205,12 @@ class Job:
             stage=self._stage(),
         )
         if offload_optimizer and mp.param_dtype is not None:
-            # the graph reads the device shards in the compute dtype; the fp32 masters are on the host
-            self.ctx = dataclasses.replace(self.ctx, master_dtype=mp.param_dtype)
+            # the graph reads the device shards in the compute dtype; the fp32 masters are on the host.
+            # At one rank nothing is reduced: the gradients stay in the compute dtype and are cast
+            # chunk by chunk in the streamed update (the same values; half the device bytes). Not
+            # under clipping, whose norm is taken over the master-dtype gradients.
+            self.ctx = dataclasses.replace(self.ctx, master_dtype=mp.param_dtype,
+                                           compute_dtype_grads=self.ws == 1 and clip_grad_norm is None)
         self._check_model_device()
         self._broadcast_initial_state()
         named = list(model.named_parameters())
@@ -315,7 +319,45 @@ class Job:
             self._agree(f"capture {cap_hash} plan {plan_hash}", "graph")
             prog.hashes = {"capture": cap_hash, "plan": plan_hash}
             self._programs[key] = (prog, self._executor(prog))
+            if mode == "step":
+                self._plan_residency(prog, tensors)
         return self._programs[key]
+
+    def _residency_budget(self) -> int | None:
+        """Device bytes the offloaded optimizer may fill: ``memory_budget``, else (CUDA) what this
+        process may use; None on CPU without a budget (everything stays in the host pool)."""
+        if self.memory_budget is not None:
+            return self.memory_budget
+        if self.mesh.device.type == "cuda":
+            return _budget_bytes(0.95, self.mesh.device)  # room for the allocator's rounding
+        return None
+
+    def _plan_residency(self, prog: Program, tensors) -> None:
+        """Under offload, keep on the device the optimizer state that fits beside the step's
+        predicted peak: each byte kept there is a byte less to move each way per step. Greedy over
+        parameters in order, then re-checked on the predicted peak (it includes the update's
+        chunk temporaries), dropping the last taken until it fits. Every rank holds shards of the
+        same shapes, so every rank makes the same choice."""
+        st = self.state.streamer
+        budget = self._residency_budget()
+        if st is None or budget is None:
+            return
+        st.set_resident(())
+        left = budget - self._memory_slack - self._memory(prog, tensors)["peak"]
+        keep = []
+        for n in st.params:
+            b = st.param_bytes(n)
+            if b <= left:
+                keep.append(n)
+                left -= b
+        while keep:
+            st.set_resident(keep)
+            if self._memory(prog, tensors)["peak"] + self._memory_slack <= budget:
+                break
+            keep.pop()
+        if not keep:
+            st.set_resident(())
+        prog.resident_state = sorted(keep)
 
     def _budgeted_ctx(self, tensors, train: bool) -> ShardContext:
         """The pass context, with the graph's share of ``memory_budget`` when one is set."""
@@ -323,7 +365,8 @@ class Job:
             return self.ctx
         from .passes.unshard import BudgetError
 
-        held = sum(self.resident_bytes().values())
+        st = self.state.streamer
+        held = sum(self.resident_bytes().values()) - (st.device_bytes() if st is not None else 0)
         held += sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
         left = self.memory_budget - held - self._memory_slack
         if left <= 0:
@@ -331,7 +374,9 @@ class Job:
                 f"memory_budget {self.memory_budget / 2**20:.1f} MiB is less than the state this rank holds "
                 f"between steps ({held / 2**20:.1f} MiB: weights, master shards, optimizer state); use more "
                 "ranks or zero3, or raise the budget")
-        return dataclasses.replace(self.ctx, graph_budget=left)
+        # under offload, optimizer state claims the headroom before any parameter is kept gathered
+        reserve = sum(st.param_bytes(n) for n in st.params) if st is not None else 0
+        return dataclasses.replace(self.ctx, graph_budget=left, reserve=reserve)
 
     def _executor(self, prog: Program) -> Callable:
         if self.compile_mode != "inductor":
@@ -516,9 +561,9 @@ class Job:
             seen = {id(t): t for t in ts if not t.is_meta}
             return sum(t.numel() * t.element_size() for t in seen.values())
 
-        if self.state.streamer is not None:  # master and optimizer state live in host memory
+        if self.state.streamer is not None:  # master and optimizer state in host memory, but the resident part
             return {"weights": total(self.state.compute.values()), "master": 0,
-                    "buffers": total(self.buffers.values()), "optimizer": 0}
+                    "buffers": total(self.buffers.values()), "optimizer": self.state.streamer.device_bytes()}
         return {"weights": total(self.state.full.values()), "master": total(self.state.master.values()),
                 "buffers": total(self.buffers.values()), "optimizer": optimizer_state_bytes(self.optimizer)}
 
@@ -529,14 +574,20 @@ class Job:
         gradients) plus the optimizer step's temporaries; zero1/2's gather of the updated shards
         back into whole weights. See costmodel/memory.py.
         """
+        prog, _ = self._compiled(batch, "step")
+        tensors, _, _ = flatten_batch(batch)
+        return self._memory(prog, tensors)
+
+    def _memory(self, prog: Program, tensors) -> dict[str, int]:
         from .costmodel import liveness, optimizer_transient
 
-        prog, _ = self._compiled(batch, "step")
         res = self.resident_bytes()
-        live = liveness(prog.gm, fused=self.compile_mode == "inductor")
-        tensors, _, _ = flatten_batch(batch)
+        live = getattr(prog, "_liveness", None)
+        if live is None:  # the simulation, once per program
+            live = prog._liveness = liveness(prog.gm, fused=self.compile_mode == "inductor")
         on_dev = sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
-        after = live.outputs + optimizer_transient(self.optimizer)
+        st = self.state.streamer
+        after = live.outputs + (st.transient_bytes() if st is not None else optimizer_transient(self.optimizer))
         sync = self.state.sync_transient_bytes(self.group, self.ws)
         peak = sum(res.values()) + on_dev + max(live.peak, after, sync)
         return {**res, "batch": on_dev, "graph_peak": live.peak, "graph_peak_at": live.peak_at,

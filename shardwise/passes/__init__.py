@@ -23,6 +23,8 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     whole = strategy in ("ddp", "zero1")
     if mode not in MODES or (mode in ("local", "last") and not whole) or (mode == "acc" and whole):
         raise ValueError(f"mode {mode!r} does not apply to {strategy}: local/last are for ddp and zero1, acc for zero2/zero3")
+    if ctx.compute_dtype_grads and ctx.ws == 1 and mode == "step" and ctx.reduce_dtype is not None:
+        ctx = dataclasses.replace(ctx, reduce_dtype=None)
     if ctx.graph_budget is not None:
         if strategy == "zero3":
             return unshard.plan(cap, ctx, mode, lambda c: shard_step(cap, strategy, c, mode))

@@ -44,6 +44,13 @@ class ShardContext:
     graph_budget: int | None = None
     """Bytes the step graph may use on top of resident state (``memory_budget`` minus what the job
     holds); with it, zero3 keeps gathered as many parameters as fit (passes/unshard.py)."""
+    reserve: int = 0
+    """Bytes of the budget's headroom held for other uses before parameters are kept gathered
+    (optimizer state kept on the device under offload: a byte of it saves a host round trip per
+    step, worth far more than a byte of unsharding saves on the device link)."""
+    compute_dtype_grads: bool = False
+    """ws=1 single-micro-batch steps leave the gradients in the compute dtype (no reduction happens,
+    so casting them in the graph only doubles their bytes); the optimizer casts them chunk by chunk."""
     estimate: Callable[[fx.GraphModule], tuple[float, int]] | None = None
     """Cost model of a finished program: (predicted seconds, predicted peak bytes of the graph)."""
     bucket_peak_slack: float = 1.10
@@ -81,6 +88,8 @@ class Program:
     """Forward nodes the backward recomputes (passes/recompute.py), when that pass ran."""
     unsharded: list | None = None
     """Under a memory budget (zero3): the parameters kept gathered from forward to backward."""
+    resident_state: list | None = None
+    """Under optimizer offload with a budget: parameters whose master and state stay on the device."""
     predicted_graph_peak: int | None = None
     """Under a memory budget: the simulated peak of this program's graph."""
     hashes: dict | None = None

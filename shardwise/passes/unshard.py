@@ -54,7 +54,7 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
         _, peak = ctx.estimate(base.gm)
     if peak > budget:
         raise _too_big(peak, budget)
-    headroom = budget - peak
+    headroom = budget - peak - ctx.reserve  # what other uses hold first (ShardContext.reserve)
     phs = cap.gm.graph.find_nodes(op="placeholder")[: cap.n_params]
     nbytes = {n: ph.meta["val"].numel() * ph.meta["val"].element_size() for n, ph in zip(cap.param_names, phs)}
     keep: list[str] = []
