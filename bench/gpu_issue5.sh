@@ -6,8 +6,10 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache} TORCH_CUDA_ARCH_LIST=9.0
+# every system runs with the allocator that grows segments (a 32 GiB cap leaves no room for fragmentation)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 SYSTEMS=${SYSTEMS:-shardwise:offload=1}; NAME=${NAME:-h200-32g-llama3b}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/machine.txt"
 timeout ${BENCH_TIMEOUT:-540} torchrun --nproc-per-node 1 -m shardwise.cli bench --model llama --size 3b \
   --batch 2 --seq 2048 --precision bf16 --memory-fraction 0.2285 --systems "$SYSTEMS" --steps ${STEPS:-3} \
-  --warmup 2 ${CKPT:-} ${EXTRA:-} --out "$OUT" --name "$NAME" 2>&1 | grep -v -i "warn" | tee "$OUT/$NAME.log" | tail -40
+  --warmup 2 ${CKPT:-} ${EXTRA:-} --out "$OUT" --name "$NAME" ${APPEND:-} 2>&1 | grep -v -i "warn" | tee "$OUT/$NAME.log" | tail -40

@@ -15,10 +15,13 @@ reduction; or fp32) and the same activation-checkpointing setting, then:
 
 Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off) — either may
 carry options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` or
-``shardwise:offload=1+recompute=1+budget_gb=30`` — ``compile``
+``shardwise:offload=1+recompute=1+budget_gb=30`` (offload=all: no state kept on the device) — ``compile``
 (plain torch.compile on each rank's batch, no communication: the single-device ceiling), ``ddp``,
 ``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (the same, then torch.compile),
-``deepspeed`` (ZeRO-3) and ``deepcompile`` where deepspeed is installed on a CUDA machine. A system
+``fsdp2-offload`` (FSDP2 with ``CPUOffloadPolicy``: shards, gradients and the optimizer step on
+the host), ``deepspeed`` (ZeRO-3; ``deepspeed:offload=1`` offloads the optimizer to CPU Adam,
+``+ratio=0.7`` only that share of it) and ``deepcompile`` (``deepcompile:offload=1``: its
+``offload_opt_states``) where deepspeed is installed on a CUDA machine. A system
 that fails (out of memory, missing package) is recorded with its error; the others still run.
 """
 
@@ -40,7 +43,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-SYSTEMS = ("shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2", "fsdp2-compile", "deepspeed", "deepcompile")
+SYSTEMS = ("shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2", "fsdp2-compile", "fsdp2-offload", "deepspeed",
+           "deepcompile")
 
 # dense bf16 peak FLOP/s from the datasheets (MFU is quoted against these, as the literature does)
 PEAK_BF16 = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
@@ -79,8 +83,8 @@ class BenchConfig:
         if bad:
             raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
         for s in self.systems:
-            if ":" in s and not s.startswith("shardwise"):
-                raise ValueError(f"bench: only shardwise systems take options, got {s!r}")
+            if ":" in s and not s.startswith(("shardwise", "deepspeed", "deepcompile")):
+                raise ValueError(f"bench: only shardwise and deepspeed systems take options, got {s!r}")
             _options(s)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
@@ -128,14 +132,18 @@ def _peer(system: str, cfg: BenchConfig, model, device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if system in ("deepspeed", "deepcompile"):
+    if system.split(":")[0] in ("deepspeed", "deepcompile"):
         return _deepspeed(system, cfg, model, device)
-    if system in ("fsdp2", "fsdp2-compile"):
+    if system in ("fsdp2", "fsdp2-compile", "fsdp2-offload"):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if cfg.precision == "bf16" else MixedPrecisionPolicy()
+        # fsdp2-offload: sharded parameters, gradients and the optimizer step on the host (pinned)
+        off = CPUOffloadPolicy() if system == "fsdp2-offload" else OffloadPolicy()
         for blk in model.blocks:
-            fully_shard(blk, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(blk, mp_policy=mp, offload_policy=off)
+        fully_shard(model, mp_policy=mp, offload_policy=off)
         run = torch.compile(model) if system == "fsdp2-compile" else model
         amp = False  # FSDP2 casts the parameters itself
     elif system == "ddp":
@@ -162,13 +170,20 @@ def _deepspeed(system, cfg, model, device):
         raise RuntimeError("deepspeed is not installed on this CUDA machine (or this is not a CUDA machine)")
     import deepspeed
 
+    opts = _options(system)
+    name = system.split(":")[0]
+    zero: dict = {"stage": 3}
     conf = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
+            "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
             "bf16": {"enabled": cfg.precision == "bf16"}}
-    if system == "deepcompile":
-        conf["compile"] = {"deepcompile": True}
+    if name == "deepcompile":
+        conf["compile"] = {"deepcompile": True, "offload_opt_states": bool(opts.get("ds_offload"))}
+    elif opts.get("ds_offload"):
+        # optimizer state in pinned host memory, stepped by DeepSpeed's CPU Adam; ratio < 1 keeps
+        # that share of it on the host and the rest on the GPU (ZeRO-3 partial offload)
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": opts.get("ds_ratio", 1.0)}
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
-    if system == "deepcompile":
+    if name == "deepcompile":
         engine.compile()
 
     def step(batch):
@@ -183,20 +198,28 @@ def _deepspeed(system, cfg, model, device):
 # options a shardwise system may carry after a colon: ``shardwise:ops=1+inflight_mb=64+bucket_mb=128``
 _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb", float),
             "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str),
-            "offload": ("offload_optimizer", lambda v: bool(int(v))), "recompute": ("recompute", lambda v: bool(int(v))),
+            "offload": ("offload_optimizer", lambda v: "all" if v == "all" else bool(int(v))),
+            "chunk_mb": ("offload_chunk_mb", float), "recompute": ("recompute", lambda v: bool(int(v))),
             "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30))}
+
+
+# options of the deepspeed systems: ``deepspeed:offload=1+ratio=0.7``, ``deepcompile:offload=1``
+_DS_OPTIONS = {"offload": ("ds_offload", lambda v: bool(int(v))), "ratio": ("ds_ratio", float)}
 
 
 def _options(system: str) -> dict:
     if ":" not in system:
         return {}
+    table = _OPTIONS if system.startswith("shardwise") else _DS_OPTIONS
     out = {}
     for item in system.split(":", 1)[1].split("+"):
         k, _, v = item.partition("=")
-        if k not in _OPTIONS or not v:
-            raise ValueError(f"bench: bad option {item!r} in {system!r}: use k=v with k in {', '.join(_OPTIONS)}")
-        name, kind = _OPTIONS[k]
+        if k not in table or not v:
+            raise ValueError(f"bench: bad option {item!r} in {system!r}: use k=v with k in {', '.join(table)}")
+        name, kind = table[k]
         out[name] = kind(v)
+    if system.startswith("deepcompile") and "ds_ratio" in out:
+        raise ValueError(f"bench: {system!r}: ratio is a ZeRO-3 offload setting; deepcompile takes offload=1 only")
     return out
 
 
@@ -268,15 +291,6 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t0)
     float(loss)
-    if device.type == "cuda":
-        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-    else:
-        b = batches[cfg.warmup + cfg.steps]
-        peak = measure(job, lambda: step(b))[1] if system.startswith("shardwise") else _cpu_peak(lambda: step(b), model, opt)
-        row["peak_mem_gb"] = None if peak is None else peak / 1e9
-    _, meas = profiled(lambda: step(batches[-1]), device)
-    if device.type == "cuda" or system.startswith("shardwise"):
-        row["exposed_comm_pct"] = meas["exposed_pct"]
     # every rank's median; the job runs at the pace of the slowest rank
     med = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctrl)
@@ -286,6 +300,23 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     if peak_flops:
         row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / peak_flops
     row["ranks"] = ws
+    if system.startswith("shardwise") and job.state.streamer is not None:
+        st = job.state.streamer
+        row["offload"] = {"host_gb": st.host_bytes() / 1e9, "device_state_gb": st.device_bytes() / 1e9,
+                          "moved_each_way_gb": st.step_bytes() / 1e9, "chunks": len(st.chunks)}
+    if device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    try:  # the timed numbers stand even if these extra measurements fail
+        if device.type != "cuda":
+            b = batches[cfg.warmup + cfg.steps]
+            peak = measure(job, lambda: step(b))[1] if system.startswith("shardwise") \
+                else _cpu_peak(lambda: step(b), model, opt)
+            row["peak_mem_gb"] = None if peak is None else peak / 1e9
+        _, meas = profiled(lambda: step(batches[-1]), device)
+        if device.type == "cuda" or system.startswith("shardwise"):
+            row["exposed_comm_pct"] = meas["exposed_pct"]
+    except Exception as e:  # noqa: BLE001
+        row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
 
 
@@ -320,9 +351,11 @@ def _machine(device) -> str:
     return f"{os.cpu_count()} CPU cores ({cpu}), gloo"
 
 
-def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = None, command: str | None = None) -> dict | None:
+def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = None, command: str | None = None,
+          append: bool = False) -> dict | None:
     """Run every system of ``cfg`` on this job's ranks; rank 0 writes ``<out_dir>/<name>.json`` and
-    ``.png`` and returns the record (other ranks return None)."""
+    ``.png`` and returns the record (other ranks return None). ``append``: add the rows to an
+    existing record of that name (one sitting split over several commands; the configs must match)."""
     device = _device()
     rank, ws = dist.get_rank(), dist.get_world_size()
     ctrl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
@@ -364,6 +397,15 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
            "results": rows}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name + ".json")
+    if append and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old["config"] | {"systems": None} != rec["config"] | {"systems": None}:
+            raise ValueError(f"bench --append: {path} was made with another configuration: {old['config']}")
+        rec["config"]["systems"] = old["config"]["systems"] + rec["config"]["systems"]
+        rec["results"] = old["results"] + rows
+        rec["command"] = old["command"] + " ; " + rec["command"]
+        rec["date"] = old["date"]
     with open(path, "w") as f:
         json.dump(rec, f, indent=1)
     try:

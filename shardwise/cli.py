@@ -113,7 +113,8 @@ def _memory_kw(args) -> dict:
     if b is not None and b <= 0:
         raise SystemExit(f"--memory-budget must be positive, got {b}")
     budget = None if b is None else (int(b * 2**30) if b > 1 else float(b))
-    return {"memory_budget": budget, "offload_optimizer": args.offload_optimizer, "recompute": args.recompute}
+    return {"memory_budget": budget, "offload_optimizer": {None: False, "fit": True, "all": "all"}[args.offload_optimizer],
+            "recompute": args.recompute}
 
 
 def _build_model(args, mesh, **overrides):
@@ -146,8 +147,9 @@ def _model_args(p) -> None:
     p.add_argument("--memory-budget", type=float, default=None,
                    help="per-rank memory budget: GiB if > 1, else a fraction of the device's usable memory; the "
                         "plan keeps parameters gathered / recomputes to fit, or stops with the numbers")
-    p.add_argument("--offload-optimizer", action="store_true",
-                   help="zero3: master weights and optimizer state in host memory, streamed for the update")
+    p.add_argument("--offload-optimizer", nargs="?", const="fit", choices=["fit", "all"], default=None,
+                   help="zero3: master weights and optimizer state in host memory, streamed for the update; "
+                        "'fit' (the default when given) keeps on the device the part that fits, 'all' none")
     p.add_argument("--recompute", action="store_true",
                    help="recompute cheap elementwise activations in the backward instead of keeping them")
 
@@ -175,6 +177,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--name", default=None, help="run name (default: date-bench-model-size-wsN-device)")
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="CUDA: cap every system at this fraction of device memory, e.g. 0.2285 of an H200 = 32 GiB")
+    p.add_argument("--append", action="store_true",
+                   help="add the rows to the existing --name record (one sitting split over several commands)")
 
 
 def bench_main(args) -> None:
@@ -188,7 +192,7 @@ def bench_main(args) -> None:
                       warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
                       memory_fraction=args.memory_fraction)
     ensure_process_group()
-    bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]))
+    bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]), append=args.append)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -73,7 +73,8 @@ def compile(
     max_in_flight_ops: int | None = None,
     memory_budget: int | float | None = None,
     keep_gathered=None,
-    offload_optimizer: bool | float = False,
+    offload_optimizer: bool | str = False,
+    offload_chunk_mb: float = 64,
     recompute: bool = False,
     link_profile=None,
 ) -> "Job":
@@ -95,9 +96,11 @@ def compile(
     plan fit: under zero3 the parameters that fit stay gathered from forward to backward (no
     backward all-gather; passes/unshard.py); a step that cannot fit raises ``BudgetError`` with the
     numbers before anything runs. ``keep_gathered`` forces that decision for the named parameters.
-    ``offload_optimizer`` (zero3) keeps the master shards and optimizer state in host memory and
-    streams them through the device for the update (runtime/offload.py); a number sets the size of
-    the streamed chunks in MiB (True: 64). ``recompute`` recomputes cheap elementwise activations in
+    ``offload_optimizer`` (zero3) keeps master shards and optimizer state in host memory and streams
+    them through the device for the update, ``offload_chunk_mb`` at a time (runtime/offload.py):
+    True keeps on the device the part of the state that fits beside the step (under
+    ``memory_budget``, or on CUDA what the process may use; each byte kept there is a byte not moved
+    each way per step); ``"all"`` keeps all of it on the host. ``recompute`` recomputes cheap elementwise activations in
     the backward instead of keeping them (passes/recompute.py); a budget turns it on when needed.
 
     Example::
@@ -134,10 +137,16 @@ def compile(
         raise ValueError(f"max_in_flight_mb must be positive or None, got {max_in_flight_mb!r}")
     if mesh is None:
         mesh = make_mesh()
+    if offload_optimizer not in (False, True, "all"):
+        raise ValueError(f"offload_optimizer must be False, True (keep what fits on the device) or 'all', "
+                         f"got {offload_optimizer!r}")
+    if not offload_chunk_mb > 0:
+        raise ValueError(f"offload_chunk_mb must be positive, got {offload_chunk_mb!r}")
     if offload_optimizer and strategy != "zero3":
         raise ValueError(f"offload_optimizer is built for zero3 so far, not {strategy}: use strategy='zero3'")
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
-              clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops, offload_optimizer)
+              clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops, offload_optimizer,
+              offload_chunk_mb)
     job.link_profile = link_profile
     job.memory_budget = _budget_bytes(memory_budget, mesh.device)
     if keep_gathered is not None:
@@ -179,7 +188,7 @@ class Job:
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
                  shard_bucket_mb="auto", schedule=True, max_in_flight_mb=None, max_in_flight_ops=None,
-                 offload_optimizer=False):
+                 offload_optimizer=False, offload_chunk_mb=64):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -216,9 +225,8 @@ class Job:
         named = list(model.named_parameters())
         self.layouts = layouts_for([n for n, _ in named], [p.shape for _, p in named], 1 if strategy == "ddp" else self.ws)
         self.state = ShardedState(model, strategy, self.layouts, self.rank, optimizer, mp.param_dtype,
-                                  offload=bool(offload_optimizer),
-                                  offload_chunk_bytes=int((64 if offload_optimizer is True else offload_optimizer or 64)
-                                                          * 2**20))
+                                  offload=bool(offload_optimizer), offload_chunk_bytes=int(offload_chunk_mb * 2**20))
+        self.offload_all = offload_optimizer == "all"
         self.optimizer = self.state.optimizer
         self.buffers = dict(model.named_buffers())
         self._programs: dict[tuple, tuple[Program, Callable]] = {}
@@ -340,7 +348,7 @@ class Job:
         same shapes, so every rank makes the same choice."""
         st = self.state.streamer
         budget = self._residency_budget()
-        if st is None or budget is None:
+        if st is None or budget is None or self.offload_all:
             return
         st.set_resident(())
         left = budget - self._memory_slack - self._memory(prog, tensors)["peak"]
@@ -375,7 +383,7 @@ class Job:
                 f"between steps ({held / 2**20:.1f} MiB: weights, master shards, optimizer state); use more "
                 "ranks or zero3, or raise the budget")
         # under offload, optimizer state claims the headroom before any parameter is kept gathered
-        reserve = sum(st.param_bytes(n) for n in st.params) if st is not None else 0
+        reserve = sum(st.param_bytes(n) for n in st.params) if st is not None and not self.offload_all else 0
         return dataclasses.replace(self.ctx, graph_budget=left, reserve=reserve)
 
     def _executor(self, prog: Program) -> Callable:

@@ -412,7 +412,7 @@ def budget_run(budget, recompute=False, with_recomputed=False):
 
 def offload_facts():
     job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
-                     offload_optimizer=1 / 64)
+                     offload_optimizer=True, offload_chunk_mb=1 / 64)
     moved = []
     for s in range(2):
         job.step(make_batch("llama", s, dist.get_rank()))
@@ -424,7 +424,7 @@ def residency_facts(budget):
     """Offload under a budget: (names kept on the device, all names, bytes moved by step 2, host bytes,
     device bytes of the kept state)."""
     job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
-                     offload_optimizer=1 / 64, memory_budget=budget)
+                     offload_optimizer=True, offload_chunk_mb=1 / 64, memory_budget=budget)
     job.replan_at = 0  # compare against the first plan alone
     st = job.state.streamer
     job.step(make_batch("llama", 0, dist.get_rank()))

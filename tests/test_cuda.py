@@ -51,9 +51,9 @@ def test_cuda_offload_streams_match_device_state():
     from harness import adamw, make_batch, make_model
 
     res = []
-    for offload in (False, 1 / 64):
+    for offload in (False, "all"):
         job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
-                         mesh=sw.mesh(dp=1, device="cuda"), offload_optimizer=offload,
+                         mesh=sw.mesh(dp=1, device="cuda"), offload_optimizer=offload, offload_chunk_mb=1 / 64,
                          mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
         losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
         res.append((losses, job.full_state_dict()))

@@ -56,7 +56,8 @@ def test_budget_plans_fit_and_an_impossible_budget_says_so(pools):
 @pytest.mark.parametrize("ws", [2, 4])
 def test_parity_with_the_optimizer_offloaded(pools, ws):
     # chunks of 16 KiB: the update of the tiny llama runs as several streamed chunks
-    check(pools, "llama", "zero3", "fp64", ws, steps=3, offload_optimizer=1 / 64, loss_tol=1e-10, param_tol=1e-10)
+    check(pools, "llama", "zero3", "fp64", ws, steps=3, offload_optimizer=True, offload_chunk_mb=1 / 64,
+          loss_tol=1e-10, param_tol=1e-10)
 
 
 def test_offload_moves_state_to_the_host_pool_and_back(pools):
@@ -73,9 +74,9 @@ def test_offload_under_bf16_is_bit_identical_to_device_state():
     from harness import adamw, make_batch, make_model
 
     res = []
-    for offload in (False, 1 / 64):
+    for offload in (False, "all"):
         job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
-                         offload_optimizer=offload, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+                         offload_optimizer=offload, offload_chunk_mb=1 / 64, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
         losses = [float(job.step(make_batch("llama", s, 0))) for s in range(4)]
         res.append((losses, job.full_state_dict()))
     assert res[0][0] == res[1][0]
@@ -83,7 +84,7 @@ def test_offload_under_bf16_is_bit_identical_to_device_state():
 
 
 def _half_resident_budget(pools):
-    peak, host = pools(2).run(harness.predicted_peak, offload_optimizer=1 / 64)[0]
+    peak, host = pools(2).run(harness.predicted_peak, offload_optimizer=True, offload_chunk_mb=1 / 64)[0]
     return peak + host // 2, host
 
 
@@ -98,7 +99,7 @@ def test_offload_under_a_budget_keeps_what_fits_on_the_device(pools):
 
 def test_parity_with_part_of_the_optimizer_state_resident(pools):
     budget, _ = _half_resident_budget(pools)
-    check(pools, "llama", "zero3", "fp64", 2, steps=3, offload_optimizer=1 / 64, memory_budget=budget,
+    check(pools, "llama", "zero3", "fp64", 2, steps=3, offload_optimizer=True, offload_chunk_mb=1 / 64, memory_budget=budget,
           loss_tol=1e-10, param_tol=1e-10)
 
 

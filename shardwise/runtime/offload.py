@@ -8,6 +8,11 @@ torch optimizer: its parameters' ``.data`` and state tensors are pointed at the 
 the call, then back at the host buffers. After an update the compute-dtype shard the step graph
 reads is refreshed on the device, so the next step needs no host copy.
 
+A parameter bigger than a chunk is streamed in slices (for Adam and AdamW, whose update is
+elementwise and whose state is created as zeros: the state is made up front in host memory, and a
+sliced parameter's step count is advanced once per step, not once per slice), so the staging memory
+is ``window`` chunks whatever the largest parameter (a 128k-vocabulary embedding is 1.5 GB in fp32).
+
 On CPU the "host" is a separate buffer pool and the copies are plain copies: the same code path
 runs (and is tested for parity) without streams.
 """
@@ -19,6 +24,13 @@ import contextlib
 import torch
 
 
+def _zero_init(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` is one whose lazily made state is zeros plus a CPU ``step`` scalar (Adam, AdamW
+    without ``capturable``/``fused``): then the state can be made up front and parameters sliced."""
+    return isinstance(opt, torch.optim.Adam) and not any(
+        g.get("capturable") or g.get("fused") or g.get("differentiable") for g in opt.param_groups)
+
+
 class StreamedOptimizer:
     """Runs ``optimizer.step()`` over host-resident parameters and state, a chunk at a time on ``device``.
 
@@ -26,7 +38,8 @@ class StreamedOptimizer:
     state the memory plan found room for): they are updated in place, in chunks of the same size
     (bounding the update's temporaries), with no copies. At most ``window`` streamed chunks are on
     the device at once: before chunk ``i + window`` is copied in, the host waits for chunk ``i``'s
-    copy back to finish, so the staging memory is bounded whatever the host runs ahead.
+    copy back to finish, so the staging memory is bounded whatever the host runs ahead. A chunk is
+    a list of units ``(name, start, stop)``: flat element ranges of parameters.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
@@ -39,25 +52,63 @@ class StreamedOptimizer:
         self.cuda = device.type == "cuda"
         self.chunk_bytes = chunk_bytes
         self.window = window
+        self.sliced = _zero_init(optimizer)
+        if self.sliced:
+            self._init_state()
         self.resident: frozenset[str] = frozenset()
-        self.chunks: list[list[str]] = []
-        self.resident_chunks: list[list[str]] = []
+        self.chunks: list[list[tuple]] = []
+        self.resident_chunks: list[list[tuple]] = []
         self.set_resident(resident)
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
         self.bytes_moved = 0
 
-    def _chunked(self, names) -> list[list[str]]:
-        chunks, size = [], 0
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """Adam's state as its first step would make it, made now in host memory."""
+        try:
+            from torch.optim.optimizer import _get_scalar_dtype
+
+            scalar = _get_scalar_dtype()
+        except ImportError:  # pragma: no cover - older layouts
+            scalar = torch.get_default_dtype()
+        for g in self.opt.param_groups:
+            for p in g["params"]:
+                st = self.opt.state[p]
+                if st:
+                    continue
+                st["step"] = torch.tensor(0.0, dtype=scalar)
+                keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if g.get("amsgrad") else [])
+                for k in keys:
+                    st[k] = self._to_host(p).zero_()
+
+    def _chunked(self, names) -> list[list[tuple]]:
+        """Chunks of at most ``chunk_bytes`` of master weights; parameters sliced where allowed."""
+        chunks: list[list[tuple]] = [[]]
+        size = 0
         for n in names:
             p = self.params[n]
-            b = p.numel() * p.element_size()
-            if not chunks or size + b > self.chunk_bytes:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(n)
-            size += b
-        return chunks
+            es, numel = p.element_size(), p.numel()
+            if not self.sliced:
+                if chunks[-1] and size + numel * es > self.chunk_bytes:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append((n, 0, numel))
+                size += numel * es
+                continue
+            a = 0
+            while a < numel or (numel == 0 and a == 0):
+                room = (self.chunk_bytes - size) // es
+                if room <= 0:
+                    chunks.append([])
+                    size, room = 0, max(1, self.chunk_bytes // es)
+                b = min(numel, a + room)
+                chunks[-1].append((n, a, b))
+                size += (b - a) * es
+                if numel == 0:
+                    break
+                a = b
+        return [c for c in chunks if c]
 
     @torch.no_grad()
     def set_resident(self, names) -> None:
@@ -71,10 +122,10 @@ class StreamedOptimizer:
             if (n in names) == (n in self.resident):
                 continue
             to_host = n not in names
-            p.data = self._to_host(p.data).copy_(p.data) if to_host else p.data.to(self.device)
             st = self.opt.state.get(p, {})
             for k, v in list(self._state_tensors(p).items()):
                 st[k] = self._to_host(v).copy_(v) if to_host else v.to(self.device)
+            p.data = self._to_host(p.data).copy_(p.data) if to_host else p.data.to(self.device)
         self.resident = names
         self.chunks = self._chunked([n for n in self.params if n not in names])
         self.resident_chunks = self._chunked([n for n in self.params if n in names])
@@ -114,46 +165,52 @@ class StreamedOptimizer:
         """Bytes of master and state kept on the device (the resident part)."""
         return sum(self.param_bytes(n) for n in self.resident)
 
+    def _chunk_bytes(self, chunk) -> int:
+        return sum((b - a) * self.params[n].element_size() for n, a, b in chunk)
+
     def transient_bytes(self) -> int:
         """Device bytes the step allocates on top of the resident state: ``window`` staged chunks of
         master + state, plus the update's temporaries for one chunk (the gradient cast to the master
         dtype and the foreach optimizer's two per-parameter temporaries)."""
-        def chunk_bytes(c):
-            return sum(self.params[n].numel() * self.params[n].element_size() for n in c)
-
-        biggest = max((chunk_bytes(c) for c in self.chunks), default=0)
-        biggest_any = max([biggest] + [chunk_bytes(c) for c in self.resident_chunks])
+        biggest = max((self._chunk_bytes(c) for c in self.chunks), default=0)
+        biggest_any = max([biggest] + [self._chunk_bytes(c) for c in self.resident_chunks])
         return min(self.window, len(self.chunks)) * biggest * (1 + self._state_factor()) + 3 * biggest_any
 
     def step_bytes(self) -> int:
         """Bytes each step moves to the device (and the same back)."""
         return self.host_bytes()
 
-    def _update(self, names, grads, staged=None) -> dict:
-        """Point the optimizer at ``names`` only (their staged device copies, if any) and step."""
-        host = {}
-        for n in self.params:
+    def _update(self, chunk, grads, views, counts) -> None:
+        """Step the optimizer on ``chunk``'s units only. ``views[name]`` = (parameter data, {state key:
+        tensor}) to use for the unit: device slices, copied in or (resident) views of the whole."""
+        for p in self.params.values():
+            p.grad = None
+        for n, a, b in chunk:
             p = self.params[n]
-            if n in names:
-                if staged is not None:
-                    dev_p, states = staged[n]
-                    host[n] = (p.data, self._state_tensors(p))
-                    p.data = dev_p
-                    st = self.opt.state.get(p)
-                    if st is not None:
-                        st.update(states)
-                g = grads.get(n)
-                p.grad = None if g is None else (g if g.dtype == p.dtype else g.to(p.dtype))
-            else:
-                p.grad = None
+            data, states = views[n]
+            st = self.opt.state.get(p)
+            if st is not None and "step" in st and isinstance(st["step"], torch.Tensor):
+                # a parameter sliced over several units advances its step count once per step
+                if n in counts:
+                    st["step"] = counts[n].clone()
+                else:
+                    counts[n] = st["step"].clone()
+            p.data = data
+            if st is not None:
+                st.update(states)
+            g = grads.get(n)
+            if g is not None:
+                g = g.reshape(-1)[a:b] if self.sliced else g
+                p.grad = g if g.dtype == data.dtype else g.to(data.dtype)
         self.opt.step()
-        for n in names:
+        for n, a, b in chunk:
             c = self.compute.get(n)
-            if c is not None:
-                c.copy_(self.params[n].data)  # the compute-dtype shard the next step reads
-            if staged is None:
-                self.params[n].grad = None
-        return host
+            if c is not None:  # the compute-dtype shard the next step reads
+                (c.view(-1)[a:b] if self.sliced else c).copy_(self.params[n].data)
+            self.params[n].grad = None
+
+    def _piece(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return t.view(-1)[a:b] if self.sliced else t
 
     @torch.no_grad()
     def step(self, grads: dict[str, torch.Tensor]) -> None:
@@ -161,76 +218,93 @@ class StreamedOptimizer:
         nb = self.cuda
         staged = {}
         copied_back: dict[int, torch.cuda.Event] = {}
+        counts: dict[str, torch.Tensor] = {}
+        whole = {n: (p.data, self._state_tensors(p)) for n, p in self.params.items()}
 
         def copy_in(i):
             if self.cuda and i - self.window in copied_back:
                 copied_back.pop(i - self.window).synchronize()  # bound the chunks staged on the device
             with self._stream(self.h2d if self.cuda else None):
                 out = {}
-                for n in self.chunks[i]:
-                    p = self.params[n]
-                    dev_p = p.detach().to(self.device, non_blocking=nb, copy=True)
-                    states = {k: v.to(self.device, non_blocking=nb, copy=True) for k, v in self._state_tensors(p).items()}
-                    self.bytes_moved += p.numel() * p.element_size() + sum(v.numel() * v.element_size()
-                                                                           for v in states.values())
-                    out[n] = (dev_p, states)
+                for n, a, b in self.chunks[i]:
+                    data, states = whole[n]
+                    dev = self._piece(data, a, b).to(self.device, non_blocking=nb, copy=True)
+                    dst = {k: self._piece(v, a, b).to(self.device, non_blocking=nb, copy=True)
+                           for k, v in states.items()}
+                    self.bytes_moved += dev.numel() * dev.element_size() + sum(
+                        v.numel() * v.element_size() for v in dst.values())
+                    out[n] = (dev, dst)
                 ev = torch.cuda.Event() if self.cuda else None
                 if ev is not None:
                     ev.record()
             return out, ev
 
-        if self.cuda:
-            # the previous step's write-backs land before this step reads the host buffers, and the
-            # gradients (made on the compute stream) exist before the update reads them
-            self.h2d.wait_stream(self.d2h)
-            self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-        if self.chunks:
-            staged[0] = copy_in(0)
-        # the resident part updates on the compute stream while the first chunk is copied in
-        for names in self.resident_chunks:
-            self._update(names, grads)
-        for i, names in enumerate(self.chunks):
-            if i + 1 < len(self.chunks):
-                staged[i + 1] = copy_in(i + 1)
-            chunk, ev = staged.pop(i)
-            if ev is not None:
-                cur = torch.cuda.current_stream(self.device)
-                cur.wait_event(ev)
-                for dev_p, states in chunk.values():  # made on the copy stream, used on this one
-                    dev_p.record_stream(cur)
-                    for v in states.values():
-                        v.record_stream(cur)
-            host = self._update(names, grads, chunk)
-            done = torch.cuda.Event() if self.cuda else None
-            if done is not None:
-                done.record()
-            with self._stream(self.d2h if self.cuda else None):
+        try:
+            if self.cuda:
+                # the previous step's write-backs land before this step reads the host buffers, and the
+                # gradients (made on the compute stream) exist before the update reads them
+                self.h2d.wait_stream(self.d2h)
+                self.h2d.wait_stream(torch.cuda.current_stream(self.device))
+            if self.chunks:
+                staged[0] = copy_in(0)
+            # the resident part updates in place on the compute stream while the first chunk is copied in
+            for chunk in self.resident_chunks:
+                views = {}
+                for n, a, b in chunk:
+                    data, states = whole[n]
+                    views[n] = (self._piece(data, a, b), {k: self._piece(v, a, b) for k, v in states.items()})
+                self._update(chunk, grads, views, counts)
+            for i, chunk in enumerate(self.chunks):
+                if i + 1 < len(self.chunks):
+                    staged[i + 1] = copy_in(i + 1)
+                views, ev = staged.pop(i)
+                if ev is not None:
+                    cur = torch.cuda.current_stream(self.device)
+                    cur.wait_event(ev)
+                    for dev, dst in views.values():  # made on the copy stream, used on this one
+                        dev.record_stream(cur)
+                        for v in dst.values():
+                            v.record_stream(cur)
+                self._update(chunk, grads, views, counts)
+                done = torch.cuda.Event() if self.cuda else None
                 if done is not None:
-                    self.d2h.wait_event(done)
-                for n in names:
-                    p = self.params[n]
-                    host_p, host_states = host[n]
-                    dev_p = p.data
-                    host_p.copy_(dev_p, non_blocking=nb)
-                    self.bytes_moved += dev_p.numel() * dev_p.element_size()
-                    st = self.opt.state.get(p, {})
-                    for k, v in list(self._state_tensors(p).items()):
-                        h = host_states.get(k)
-                        if h is None:  # state created by this (first) step: give it a host buffer
-                            h = self._to_host(v)
-                        h.copy_(v, non_blocking=nb)
-                        self.bytes_moved += v.numel() * v.element_size()
+                    done.record()
+                with self._stream(self.d2h if self.cuda else None):
+                    if done is not None:
+                        self.d2h.wait_event(done)
+                    for n, a, b in chunk:
+                        p = self.params[n]
+                        data, states = whole[n]
+                        dev = p.data
+                        self._piece(data, a, b).copy_(dev, non_blocking=nb)
+                        self.bytes_moved += dev.numel() * dev.element_size()
+                        st = self.opt.state.get(p, {})
+                        for k, v in list(st.items()):
+                            if not isinstance(v, torch.Tensor) or v.device.type != self.device.type \
+                                    or k == "step" or v.shape != dev.shape:
+                                continue
+                            h = states.get(k)
+                            if h is None:  # state made by this (first) step of an unsliced optimizer
+                                h = states[k] = self._to_host(v)
+                            self._piece(h, a, b).copy_(v, non_blocking=nb)
+                            self.bytes_moved += v.numel() * v.element_size()
+                            if self.cuda:
+                                v.record_stream(self.d2h)
                         if self.cuda:
-                            v.record_stream(self.d2h)
-                        st[k] = h
+                            dev.record_stream(self.d2h)
                     if self.cuda:
-                        dev_p.record_stream(self.d2h)
-                    p.data = host_p
-                    p.grad = None
-                if self.cuda:
-                    back = torch.cuda.Event()
-                    back.record()
-                    copied_back[i] = back
+                        back = torch.cuda.Event()
+                        back.record()
+                        copied_back[i] = back
+        finally:
+            # the optimizer's parameters and state point at the whole tensors again
+            for n, p in self.params.items():
+                data, states = whole[n]
+                p.data = data
+                p.grad = None
+                st = self.opt.state.get(p)
+                if st is not None:
+                    st.update(states)
         if self.cuda:
             # the next step's graph reads the refreshed compute shards (written on this stream);
             # host buffers are only read again by the next step's copies, ordered by h2d.wait_stream
