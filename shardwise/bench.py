@@ -279,6 +279,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
             torch.cuda.empty_cache()
         pred = job.predict_step(batches[0])
         row["pred_step_s"] = pred["step_s"]
+        # the plan the timed steps run (offload: with the state the warm-up found room for)
+        row["pred_peak_mem_gb"] = job.predict_memory(batches[0])["peak"] / 1e9
         job.time_optimizer = False
     _sync(device)
     dist.barrier()
@@ -335,6 +337,9 @@ def _versions() -> dict:
                 v[pkg] = __import__(pkg).__version__
             except Exception:  # noqa: BLE001
                 v[pkg] = "present"
+    if os.environ.get("SHARDWISE_COMMIT"):  # a copy of the tree without its git history (remote machines)
+        v["shardwise"] = os.environ["SHARDWISE_COMMIT"]
+        return v
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         v["shardwise"] = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,

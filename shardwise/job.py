@@ -177,8 +177,9 @@ def _budget_bytes(budget, device: torch.device) -> int | None:
         raise ValueError(f"memory_budget={budget!r}: a float is a fraction of device memory and must be <= 1; "
                          "pass bytes as an int")
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        frac = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        frac = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(index)
         return int(total * frac * budget)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * budget)
 
@@ -242,6 +243,8 @@ class Job:
         self.time_optimizer = False  # set to time the optimizer phase of each step (syncs the GPU)
         self.last_optimizer_s: float | None = None
         self._node_times: dict[tuple, dict[str, float]] = {}
+        self._residency_pending = False  # offload on CUDA: the first step's measured peak decides
+        self.residency_peak: int | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -341,31 +344,44 @@ class Job:
         return None
 
     def _plan_residency(self, prog: Program, tensors) -> None:
-        """Under offload, keep on the device the optimizer state that fits beside the step's
-        predicted peak: each byte kept there is a byte less to move each way per step. Greedy over
-        parameters in order, then re-checked on the predicted peak (it includes the update's
-        chunk temporaries), dropping the last taken until it fits. Every rank holds shards of the
-        same shapes, so every rank makes the same choice."""
+        """Under offload, keep on the device the optimizer state that fits beside the step: each byte
+        kept there is a byte less to move each way per step. On CUDA the first step runs with all of
+        it on the host and its measured peak (the maximum over ranks) decides (``_fit_residency``):
+        a step that ran out of memory would be lost, a measured one cannot be wrong. On CPU, where the
+        host pool is the same memory, the prediction decides (the same code path, for the tests)."""
         st = self.state.streamer
         budget = self._residency_budget()
         if st is None or budget is None or self.offload_all:
             return
         st.set_resident(())
-        left = budget - self._memory_slack - self._memory(prog, tensors)["peak"]
+        prog.resident_state = []
+        if self.mesh.device.type == "cuda":
+            self._residency_pending = True
+            return
+        self._fit_residency(self._memory(prog, tensors)["peak"], lambda: self._memory(prog, tensors)["peak"])
+        prog.resident_state = sorted(st.resident)
+
+    def _fit_residency(self, peak: int, check: Callable[[], int] | None = None) -> None:
+        """Greedy over parameters in order: keep the state of each one that fits in the budget left
+        above ``peak`` (the step's peak with nothing resident); with ``check`` (the predicted peak of
+        the current choice), drop the last taken until it fits. Every rank holds shards of the same
+        shapes and gets the same ``peak``, so every rank makes the same choice."""
+        st = self.state.streamer
+        budget = self._residency_budget()
+        left = budget - self._memory_slack - peak
         keep = []
         for n in st.params:
             b = st.param_bytes(n)
             if b <= left:
                 keep.append(n)
                 left -= b
-        while keep:
-            st.set_resident(keep)
-            if self._memory(prog, tensors)["peak"] + self._memory_slack <= budget:
-                break
+        st.set_resident(keep)
+        while keep and check is not None and check() + self._memory_slack > budget:
             keep.pop()
-        if not keep:
-            st.set_resident(())
-        prog.resident_state = sorted(keep)
+            st.set_resident(keep)
+        for (_, mode), (prog, _) in self._programs.items():
+            if mode == "step":
+                prog.resident_state = sorted(keep)
 
     def _budgeted_ctx(self, tensors, train: bool) -> ShardContext:
         """The pass context, with the graph's share of ``memory_budget`` when one is set."""
@@ -422,6 +438,19 @@ class Job:
         Under a ``memory_budget`` step ``replan_at`` is measured against its prediction: when the
         measured peak (the maximum over ranks) is over the budget or more than 10% off, the plan is
         made again with the difference held back, the same on every rank (``job.replans``)."""
+        if self._residency_pending:
+            # offload on CUDA: the first step runs with all optimizer state on the host; its measured
+            # peak sets how much of the state then stays on the device (see _plan_residency)
+            from .runtime.memory import measure
+
+            loss, peak = measure(self, lambda: self._step(batch))
+            v = torch.tensor([peak], dtype=torch.float64)
+            if self.ws > 1:
+                dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.ctrl)
+            self._residency_pending = False
+            self.residency_peak = int(v[0])
+            self._fit_residency(self.residency_peak)
+            return loss
         if (self.memory_budget is not None and self.steps + 1 == self.replan_at
                 and not isinstance(batch, list)):
             from .runtime.memory import measure

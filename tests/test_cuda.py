@@ -62,3 +62,30 @@ def test_cuda_offload_streams_match_device_state():
             assert len(job.state.streamer.chunks) > 1
     assert res[0][0] == res[1][0]
     assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+
+
+@needs_cuda
+def test_cuda_offload_keeps_on_the_device_what_the_first_step_leaves_room_for():
+    # the first step runs with all state on the host; its measured peak sets how much state stays
+    # on the GPU under the budget; training stays bit-identical to keeping all of it on the GPU
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    def run(**kw):
+        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
+                         mesh=sw.mesh(dp=1, device="cuda"), offload_chunk_mb=1 / 64,
+                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), **kw)
+        torch.cuda.reset_peak_memory_stats()
+        losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
+        return job, losses, job.full_state_dict()
+
+    all_host, _, _ = run(offload_optimizer="all")
+    state = all_host.state.streamer.host_bytes()
+    peak_all = torch.cuda.max_memory_allocated()
+    del all_host
+    job, losses, sd = run(offload_optimizer=True, memory_budget=peak_all + state // 2)
+    kept = job.state.streamer.device_bytes()
+    assert job.residency_peak is not None and 0 < kept < state
+    assert torch.cuda.max_memory_allocated() <= job.memory_budget
+    _, ref_losses, ref_sd = run(offload_optimizer=False)
+    assert losses == ref_losses and all(torch.equal(sd[k], ref_sd[k]) for k in sd)
