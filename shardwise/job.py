@@ -441,10 +441,12 @@ class Job:
         if self._residency_pending:
             # offload on CUDA: the first step runs with all optimizer state on the host; its measured
             # peak sets how much of the state then stays on the device (see _plan_residency)
-            from .runtime.memory import measure
-
-            loss, peak = measure(self, lambda: self._step(batch))
-            v = torch.tensor([peak], dtype=torch.float64)
+            dev = self.mesh.device
+            torch.cuda.empty_cache()  # the reserved peak then counts this step's own blocks
+            torch.cuda.reset_peak_memory_stats(dev)
+            loss = self._step(batch)
+            # reserved, not allocated: what the allocator's rounding and fragmentation cost counts too
+            v = torch.tensor([torch.cuda.max_memory_reserved(dev)], dtype=torch.float64)
             if self.ws > 1:
                 dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.ctrl)
             self._residency_pending = False
@@ -599,8 +601,10 @@ class Job:
             return sum(t.numel() * t.element_size() for t in seen.values())
 
         if self.state.streamer is not None:  # master and optimizer state in host memory, but the resident part
+            st = self.state.streamer
             return {"weights": total(self.state.compute.values()), "master": 0,
-                    "buffers": total(self.buffers.values()), "optimizer": self.state.streamer.device_bytes()}
+                    "buffers": total(self.buffers.values()), "optimizer": st.device_bytes(),
+                    "staging": st.staging_bytes()}
         return {"weights": total(self.state.full.values()), "master": total(self.state.master.values()),
                 "buffers": total(self.buffers.values()), "optimizer": optimizer_state_bytes(self.optimizer)}
 

@@ -168,13 +168,16 @@ class StreamedOptimizer:
     def _chunk_bytes(self, chunk) -> int:
         return sum((b - a) * self.params[n].element_size() for n, a, b in chunk)
 
+    def staging_bytes(self) -> int:
+        """Device bytes of the staging ring: ``window`` slots, each holding one chunk's master and
+        per-element state. Allocated at the first step and kept (no allocator churn between steps)."""
+        biggest = max((self._chunk_bytes(c) + 16 * len(c) for c in self.chunks), default=0)
+        return min(self.window, len(self.chunks)) * biggest * (1 + self._state_factor())
+
     def transient_bytes(self) -> int:
-        """Device bytes the step allocates on top of the resident state: ``window`` staged chunks of
-        master + state, plus the update's temporaries for one chunk (the gradient cast to the master
-        dtype and the foreach optimizer's two per-parameter temporaries)."""
-        biggest = max((self._chunk_bytes(c) for c in self.chunks), default=0)
-        biggest_any = max([biggest] + [self._chunk_bytes(c) for c in self.resident_chunks])
-        return min(self.window, len(self.chunks)) * biggest * (1 + self._state_factor()) + 3 * biggest_any
+        """Device bytes the update allocates for one chunk: the gradients cast to the master dtype
+        and the foreach optimizer's two per-parameter temporaries."""
+        return 3 * max([self._chunk_bytes(c) for c in self.chunks + self.resident_chunks] or [0])
 
     def step_bytes(self) -> int:
         """Bytes each step moves to the device (and the same back)."""
@@ -212,27 +215,57 @@ class StreamedOptimizer:
     def _piece(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
         return t.view(-1)[a:b] if self.sliced else t
 
+    def _slots(self, roles: list[str]) -> list[dict[str, torch.Tensor]]:
+        """The staging ring: ``window`` slots of one flat byte buffer per role (``param`` and each
+        per-element state key), made on the compute stream once and reused every step."""
+        size = max(self._chunk_bytes(c) + 16 * len(c) for c in self.chunks)
+        if getattr(self, "_ring", None) is None or self._ring_key != (size, tuple(roles)):
+            n = min(self.window, len(self.chunks))
+            self._ring = [{r: torch.empty(size, dtype=torch.uint8, device=self.device) for r in roles}
+                          for _ in range(n)]
+            self._ring_key = (size, tuple(roles))
+        return self._ring
+
+    @staticmethod
+    def _carve(buf: torch.Tensor, off: int, like: torch.Tensor, a: int, b: int, shape) -> tuple[torch.Tensor, int]:
+        """A ``like.dtype`` view of ``b - a`` elements of ``buf`` at byte ``off`` (16-byte aligned)."""
+        nbytes = (b - a) * like.element_size()
+        t = buf[off:off + nbytes].view(like.dtype).view(shape)
+        return t, off + (nbytes + 15) // 16 * 16
+
     @torch.no_grad()
     def step(self, grads: dict[str, torch.Tensor]) -> None:
-        """One optimizer step; ``grads`` are on the device (this rank's shards)."""
+        """One optimizer step; ``grads`` are on the device (this rank's shards).
+
+        Chunk ``i`` is copied into ring slot ``i % window`` on the host-to-device stream once the
+        copy back of the chunk that used the slot before has finished (a device-side wait),
+        updated on the compute stream once it has arrived, and copied back on the device-to-host
+        stream once updated. The host never waits for the device, and nothing is allocated per
+        chunk but the update's own temporaries."""
         nb = self.cuda
-        staged = {}
-        copied_back: dict[int, torch.cuda.Event] = {}
         counts: dict[str, torch.Tensor] = {}
         whole = {n: (p.data, self._state_tensors(p)) for n, p in self.params.items()}
+        roles = ["param"] + sorted({k for _, st in whole.values() for k in st})
+        ring = self._slots(roles) if self.chunks else []
+        copied_back: dict[int, object] = {}
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
 
         def copy_in(i):
-            if self.cuda and i - self.window in copied_back:
-                copied_back.pop(i - self.window).synchronize()  # bound the chunks staged on the device
+            slot = ring[i % len(ring)]
             with self._stream(self.h2d if self.cuda else None):
-                out = {}
+                if self.cuda and i - len(ring) in copied_back:
+                    self.h2d.wait_event(copied_back.pop(i - len(ring)))  # the slot's last chunk is home
+                out, offs = {}, dict.fromkeys(roles, 0)
                 for n, a, b in self.chunks[i]:
                     data, states = whole[n]
-                    dev = self._piece(data, a, b).to(self.device, non_blocking=nb, copy=True)
-                    dst = {k: self._piece(v, a, b).to(self.device, non_blocking=nb, copy=True)
-                           for k, v in states.items()}
-                    self.bytes_moved += dev.numel() * dev.element_size() + sum(
-                        v.numel() * v.element_size() for v in dst.values())
+                    shape = (b - a,) if self.sliced else data.shape
+                    dev, offs["param"] = self._carve(slot["param"], offs["param"], data, a, b, shape)
+                    dev.copy_(self._piece(data, a, b).view(shape), non_blocking=nb)
+                    dst = {}
+                    for k, v in states.items():
+                        dst[k], offs[k] = self._carve(slot[k], offs[k], v, a, b, shape)
+                        dst[k].copy_(self._piece(v, a, b).view(shape), non_blocking=nb)
+                    self.bytes_moved += dev.numel() * dev.element_size() * (1 + len(dst))
                     out[n] = (dev, dst)
                 ev = torch.cuda.Event() if self.cuda else None
                 if ev is not None:
@@ -241,12 +274,11 @@ class StreamedOptimizer:
 
         try:
             if self.cuda:
-                # the previous step's write-backs land before this step reads the host buffers, and the
-                # gradients (made on the compute stream) exist before the update reads them
+                # the gradients (made on the compute stream) exist before the update reads them, and
+                # the previous step's copies back are done before this step's copies in (ring reuse)
+                self.h2d.wait_stream(cur)
                 self.h2d.wait_stream(self.d2h)
-                self.h2d.wait_stream(torch.cuda.current_stream(self.device))
-            if self.chunks:
-                staged[0] = copy_in(0)
+            staged = {0: copy_in(0)} if self.chunks else {}
             # the resident part updates in place on the compute stream while the first chunk is copied in
             for chunk in self.resident_chunks:
                 views = {}
@@ -259,12 +291,7 @@ class StreamedOptimizer:
                     staged[i + 1] = copy_in(i + 1)
                 views, ev = staged.pop(i)
                 if ev is not None:
-                    cur = torch.cuda.current_stream(self.device)
                     cur.wait_event(ev)
-                    for dev, dst in views.values():  # made on the copy stream, used on this one
-                        dev.record_stream(cur)
-                        for v in dst.values():
-                            v.record_stream(cur)
                 self._update(chunk, grads, views, counts)
                 done = torch.cuda.Event() if self.cuda else None
                 if done is not None:
@@ -276,22 +303,19 @@ class StreamedOptimizer:
                         p = self.params[n]
                         data, states = whole[n]
                         dev = p.data
-                        self._piece(data, a, b).copy_(dev, non_blocking=nb)
+                        self._piece(data, a, b).copy_(dev.reshape(-1) if self.sliced else dev, non_blocking=nb)
                         self.bytes_moved += dev.numel() * dev.element_size()
                         st = self.opt.state.get(p, {})
                         for k, v in list(st.items()):
-                            if not isinstance(v, torch.Tensor) or v.device.type != self.device.type \
-                                    or k == "step" or v.shape != dev.shape:
+                            if not isinstance(v, torch.Tensor) or k == "step" or v.shape != dev.shape:
                                 continue
                             h = states.get(k)
                             if h is None:  # state made by this (first) step of an unsliced optimizer
                                 h = states[k] = self._to_host(v)
-                            self._piece(h, a, b).copy_(v, non_blocking=nb)
+                                if self.cuda:
+                                    v.record_stream(self.d2h)
+                            self._piece(h, a, b).copy_(v.reshape(-1) if self.sliced else v, non_blocking=nb)
                             self.bytes_moved += v.numel() * v.element_size()
-                            if self.cuda:
-                                v.record_stream(self.d2h)
-                        if self.cuda:
-                            dev.record_stream(self.d2h)
                     if self.cuda:
                         back = torch.cuda.Event()
                         back.record()
@@ -306,6 +330,6 @@ class StreamedOptimizer:
                 if st is not None:
                     st.update(states)
         if self.cuda:
-            # the next step's graph reads the refreshed compute shards (written on this stream);
-            # host buffers are only read again by the next step's copies, ordered by h2d.wait_stream
-            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+            # the next step's graph reads the refreshed compute shards (written on the compute
+            # stream); it must not start before the slots are free again either (next step's ring)
+            cur.wait_stream(self.d2h)
