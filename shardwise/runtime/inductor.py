@@ -13,8 +13,9 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
 
     The graph already holds its backward, so it is compiled under ``no_grad`` with detached inputs
     (inductor must not differentiate it again). Common-subexpression elimination is off so that
-    zero3's separate backward gathers are not merged back into the forward ones, and inductor's
-    own communication reordering stays off so that it cannot undo our collective order.
+    zero3's separate backward gathers are not merged back into the forward ones, inductor's own
+    communication reordering stays off so that it cannot undo our collective order, and neither
+    can its other reorderings (KEEP_ORDER).
     """
     from torch._inductor import config as ind_cfg
     from torch._inductor.compile_fx import compile_fx
@@ -39,9 +40,14 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
 def _keep_order() -> dict:
     from torch._inductor import config as ind_cfg
 
-    want = {"reorder_for_compute_comm_overlap": False, "reorder_for_peak_memory": False}
+    # reorder_for_locality moves each producer to just before its consumer: a weight gradient's
+    # consumer is the graph's output, so every weight-gradient matmul went to the end of the step
+    # and kept its inputs (an activation and its gradient, per layer) alive until then
+    want = {"reorder_for_compute_comm_overlap": False, "reorder_for_peak_memory": False,
+            "reorder_for_locality": False}
     return {k: v for k, v in want.items() if hasattr(ind_cfg, k)}
 
 
 KEEP_ORDER = _keep_order()
 """inductor settings that would reorder the scheduled graph, turned off (those this torch has)."""
+
