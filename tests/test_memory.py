@@ -52,21 +52,29 @@ def test_predicted_peak_within_5pct_of_measured(pools, strategy, name, batch, se
         assert abs(after - measured) <= 0.05 * measured, (after / measured)
 
 
-def test_inductor_keeps_what_activation_checkpointing_saves():
+def test_inductor_computes_weight_gradients_where_the_graph_does():
     # the step graph holds its backward; inductor must run it in our order. Its locality reordering
-    # (now off) moved every weight-gradient matmul to the graph's end, keeping each layer's activation
-    # and gradient alive until then: checkpointing saved 11% there, 37% in graph order
+    # (now off) moved every weight-gradient matmul next to its consumer, the graph's output, i.e. to
+    # the end of the step, keeping each layer's activation and gradient alive until then (a 3B
+    # Llama step with per-block checkpointing peaked at 28.7 GB where 15 GB were planned). Read in
+    # inductor's generated code: after the first layer's attention backward only that layer's own
+    # weight gradients may remain (its 7 matmuls), not every layer's (32 with the reordering on).
+    import re
+
     import torch
 
     import shardwise as sw
-    from shardwise.runtime.memory import measure
 
-    peaks = {}
-    for ck in (False, True):
-        torch.manual_seed(0)
-        job = sw.compile(sw.models.build("llama", "small", checkpoint=ck), optimizer=harness.adamw,
-                         strategy="zero3", mesh=sw.mesh(dp=1), compile="inductor")
-        x = torch.randint(0, 256, (16, 64))
-        job.step((x, x))
-        peaks[ck] = measure(job, lambda: job.step((x, x)))[1]
-    assert peaks[True] < 0.75 * peaks[False], peaks
+    torch.manual_seed(0)
+    job = sw.compile(sw.models.build("llama", "small"), optimizer=harness.adamw, strategy="zero3",
+                     mesh=sw.mesh(dp=1), compile="inductor")
+    x = torch.randint(0, 256, (16, 64))
+    job.step((x, x))
+    _, run = job._compiled((x, x), "step")
+    code = getattr(run.compiled, "source_code", None)
+    if code is None:
+        pytest.skip("this torch's compiled graph does not expose its source code")
+    calls = re.findall(r"(extern_kernels\.mm|attention\w*backward)", code)
+    last_attn_bwd = max(i for i, c in enumerate(calls) if c.endswith("backward"))
+    assert calls.count("extern_kernels.mm") > 80
+    assert calls[last_attn_bwd:].count("extern_kernels.mm") <= 7
