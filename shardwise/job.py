@@ -684,13 +684,26 @@ class Job:
         return {"step_s": tl.step_s + opt, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
                 "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s, "compute_source": src, "timeline": tl}
 
+    def host_link(self):
+        """The host link the offload cost model uses: the link profile's measured one, else the
+        H200 PCIe figures on CUDA, the CPU pool's on CPU (costmodel/hostlink.py)."""
+        from .costmodel.hostlink import CPU_POOL, PCIE5
+
+        lp, _ = self.cost_inputs()
+        return lp.host_link() or (PCIE5 if self.mesh.device.type == "cuda" else CPU_POOL)
+
     def _optimizer_s(self, dev) -> float:
         """The optimizer phase: measured if a step ran with ``time_optimizer``, else a memory-bound
-        roofline of AdamW (read parameter, gradient and two moments; write parameter and moments)."""
+        roofline of AdamW (read parameter, gradient and two moments; write parameter and moments),
+        and under offload at least the host link's time to move the host-resident state both ways."""
         if self.last_optimizer_s is not None:
             return self.last_optimizer_s
         nbytes = sum(t.numel() * t.element_size() for t in self.state.opt_tensors.values())
-        return 7 * nbytes / dev.bandwidth
+        update = 7 * nbytes / dev.bandwidth
+        st = self.state.streamer
+        if st is None:
+            return update
+        return max(update, self.host_link().stream_time(st.step_bytes(), st.step_bytes()))
 
     def profile_step(self, batch, trace: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Run one real step under torch.profiler: (loss, {step_s, comm_s, exposed_s, exposed_pct});
@@ -745,6 +758,14 @@ class Job:
                 lines.append(f"  memory: resident {sum(res.values()) / 2**20:.2f} MiB ("
                              + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res.items())
                              + f"), graph peak +{live.peak / 2**20:.2f} MiB at {live.peak_at}")
+                st = self.state.streamer
+                if st is not None:
+                    hl = self.host_link()
+                    moved = st.step_bytes()
+                    lines.append(f"  optimizer offload: {moved / 2**20:.2f} MiB on the host, moved each way per "
+                                 f"step (>= {hl.stream_time(moved, moved) * 1e3:.2f} ms over {hl}); "
+                                 f"{st.device_bytes() / 2**20:.2f} MiB kept on the device; {len(st.chunks)} "
+                                 f"chunks, {st.window}-slot staging ring {st.staging_bytes() / 2**20:.2f} MiB")
             lines.append(f"  {'collective':15s} {'phase':5s} {'sent/rank':>10s} {'pred µs':>9s}  param(s)")
             for n in prog.collective_nodes():
                 sw = n.meta["sw"]
@@ -761,6 +782,7 @@ class Job:
             if self.strategy == "zero3":
                 what.append("kept gathered fwd->bwd" if n in kept else "resharded after forward")
             if self.state.streamer is not None:
-                what.append("master+optimizer state on host, streamed")
+                what.append("master+optimizer state on the device" if n in self.state.streamer.resident
+                            else "master+optimizer state on host, streamed")
             lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
         return "\n".join(lines)

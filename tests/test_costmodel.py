@@ -169,3 +169,23 @@ def test_measured_compute_and_exposed_comm(pools):
     assert times0 == times1  # reduced across ranks: every rank holds the same numbers
     assert pred0["compute_source"] == "measured" and pred0["step_s"] > 0
     assert meas0["exposed_s"] > 0 and 0 < meas0["exposed_pct"] < 100  # gloo: blocked in waits
+
+
+def test_host_link_measures_and_bounds_a_streamed_step(tmp_path):
+    import torch
+
+    from shardwise.costmodel import LinkProfile, PRESETS
+    from shardwise.costmodel.hostlink import HostLink, measure
+
+    h = measure(torch.device("cpu"), 8 * 2**20, iters=2)
+    assert h.h2d > 0 and h.d2h > 0 and h.both > 0
+    link = HostLink(50e9, 40e9, 80e9)
+    # one direction alone bounds it, or both together when the sum exceeds what the link carries at once
+    assert link.stream_time(10e9, 0) == 10e9 / 50e9
+    assert link.stream_time(0, 10e9) == 10e9 / 40e9
+    assert link.stream_time(20e9, 20e9) == 40e9 / 80e9
+    p = PRESETS["cpu-gloo"]
+    prof = LinkProfile(p.name, p.alpha, p.busbw, p.source, {"h2d": 1e9, "d2h": 2e9, "both": 2.5e9})
+    prof.save(tmp_path / "p.json")
+    back = LinkProfile.load(tmp_path / "p.json")
+    assert back.host_link().both == 2.5e9 and PRESETS["cpu-gloo"].host_link() is None

@@ -38,6 +38,8 @@ class LinkProfile:
     """Bus bandwidth in bytes/s, by kind."""
     source: str = ""
     """Where the numbers come from (a measurement's command and date, or a citation)."""
+    host: dict | None = None
+    """The host link, bytes/s ``{"h2d", "d2h", "both"}`` (costmodel/hostlink.py), where measured."""
 
     def __post_init__(self):
         for k in KINDS:
@@ -60,10 +62,19 @@ class LinkProfile:
     def load(path: str) -> "LinkProfile":
         with open(path) as f:
             d = json.load(f)
-        return LinkProfile(d["name"], d["alpha"], d["busbw"], d.get("source", ""))
+        return LinkProfile(d["name"], d["alpha"], d["busbw"], d.get("source", ""), d.get("host"))
+
+    def host_link(self):
+        """The profile's host link as a ``HostLink``, or None where it was not measured."""
+        from .hostlink import HostLink
+
+        return None if not self.host else HostLink(self.host["h2d"], self.host["d2h"], self.host["both"], self.source)
 
     def __str__(self) -> str:
         parts = [f"{k} α={self.alpha[k] * 1e6:.1f}µs busbw={self.busbw[k] / 1e9:.1f}GB/s" for k in KINDS]
+        if self.host:
+            parts.append(f"host link h2d {self.host['h2d'] / 1e9:.1f} d2h {self.host['d2h'] / 1e9:.1f} "
+                         f"both {self.host['both'] / 1e9:.1f} GB/s")
         return f"{self.name}: " + ", ".join(parts)
 
 
@@ -140,4 +151,10 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, sizes: list[int], 
     for k in KINDS:
         alpha[k], busbw[k] = fit(samples[k], k, n)
     src = f"shardwise calibrate over {n} ranks ({dist.get_backend(group)}, {device.type}), {time.strftime('%Y-%m-%d')}"
-    return LinkProfile(name, alpha, busbw, src), samples
+    from .hostlink import measure as measure_host
+
+    h = measure_host(device, (256 if device.type == "cuda" else 32) * 2**20)  # the slowest rank's figures, below
+    hv = torch.tensor([h.h2d, h.d2h, h.both], dtype=torch.float64, device=device)
+    dist.all_reduce(hv, op=dist.ReduceOp.MIN, group=group)
+    host = {"h2d": float(hv[0]), "d2h": float(hv[1]), "both": float(hv[2])}
+    return LinkProfile(name, alpha, busbw, src, host), samples

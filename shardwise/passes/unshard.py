@@ -47,6 +47,14 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
     base = build(base_ctx)
     _, peak = ctx.estimate(base.gm)
     budget = ctx.graph_budget
+    if ctx.ws == 1:  # one rank gathers nothing: there is nothing to keep gathered
+        if peak > budget and not ctx.recompute:
+            base = build(dataclasses.replace(base_ctx, recompute=True))
+            _, peak = ctx.estimate(base.gm)
+        if peak > budget:
+            raise _too_big(peak, budget)
+        base.unsharded, base.predicted_graph_peak = [], peak
+        return base
     if peak > budget and not ctx.recompute:
         # recomputing elementwise activations frees what they held; then unsharding may use the rest
         base_ctx = dataclasses.replace(base_ctx, recompute=True)
