@@ -4,7 +4,8 @@ Every system trains the same built-in model from the same seed on the same synth
 rank, with the same precision policy (bf16 compute with fp32 weights, optimizer and gradient
 reduction; or fp32) and the same activation-checkpointing setting, then:
 
-- ``step_s``: median wall time of the timed steps (each ended by a device sync and a barrier);
+- ``step_s``: wall time of the timed steps, run back to back and ended by one device sync, over
+  their number (the slowest rank's);
 - ``tokens_per_s_per_gpu``: batch x sequence per rank / step_s; ``mfu``: model FLOPs per token
   (6N + 12·L·d·T, PaLM's formula) x tokens/s against the device's dense bf16 peak;
 - ``peak_mem_gb``: ``max_memory_allocated`` over the timed steps (CUDA), MemTracker's live-tensor
@@ -34,7 +35,6 @@ import importlib.util
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -199,7 +199,8 @@ def _deepspeed(system, cfg, model, device):
 _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb", float),
             "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str),
             "offload": ("offload_optimizer", lambda v: "all" if v == "all" else bool(int(v))),
-            "chunk_mb": ("offload_chunk_mb", float), "recompute": ("recompute", lambda v: bool(int(v))),
+            "chunk_mb": ("offload_chunk_mb", float), "overlap": ("offload_overlap", lambda v: bool(int(v))),
+            "recompute": ("recompute", lambda v: bool(int(v))),
             "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30))}
 
 
@@ -286,17 +287,17 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    # the timed steps run back to back, as a training loop runs them (work a system leaves running
+    # past the end of a step may overlap the next), with one device sync at the end
+    t0 = time.perf_counter()
     for i in range(cfg.steps):
-        t0 = time.perf_counter()
         loss = step(batches[cfg.warmup + i])
-        _sync(device)
-        times.append(time.perf_counter() - t0)
     float(loss)
-    # every rank's median; the job runs at the pace of the slowest rank
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=ctrl)
-    row["step_s"] = float(med)
+    _sync(device)
+    # every rank's mean; the job runs at the pace of the slowest rank
+    mean = torch.tensor([(time.perf_counter() - t0) / cfg.steps], dtype=torch.float64)
+    dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=ctrl)
+    row["step_s"] = float(mean)
     row["tokens_per_s_per_gpu"] = cfg.batch * seq / row["step_s"]
     peak_flops = _peak_flops(device)
     if peak_flops:

@@ -75,6 +75,7 @@ def compile(
     keep_gathered=None,
     offload_optimizer: bool | str = False,
     offload_chunk_mb: float = 64,
+    offload_overlap: bool = True,
     recompute: bool = False,
     link_profile=None,
 ) -> "Job":
@@ -100,8 +101,11 @@ def compile(
     them through the device for the update, ``offload_chunk_mb`` at a time (runtime/offload.py):
     True keeps on the device the part of the state that fits beside the step (under
     ``memory_budget``, or on CUDA what the process may use; each byte kept there is a byte not moved
-    each way per step); ``"all"`` keeps all of it on the host. ``recompute`` recomputes cheap elementwise activations in
-    the backward instead of keeping them (passes/recompute.py); a budget turns it on when needed.
+    each way per step); ``"all"`` keeps all of it on the host. On CUDA the update runs on its own
+    streams and the next step starts before it ends, each parameter's first reader waiting for that
+    parameter (passes/ready.py); ``offload_overlap=False`` makes each step wait for the whole update.
+    ``recompute`` recomputes cheap elementwise activations in the backward instead of keeping them
+    (passes/recompute.py); a budget turns it on when needed.
 
     Example::
 
@@ -146,7 +150,7 @@ def compile(
         raise ValueError(f"offload_optimizer is built for zero3 so far, not {strategy}: use strategy='zero3'")
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
               clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops, offload_optimizer,
-              offload_chunk_mb)
+              offload_chunk_mb, offload_overlap)
     job.link_profile = link_profile
     job.memory_budget = _budget_bytes(memory_budget, mesh.device)
     if keep_gathered is not None:
@@ -189,7 +193,7 @@ class Job:
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
                  shard_bucket_mb="auto", schedule=True, max_in_flight_mb=None, max_in_flight_ops=None,
-                 offload_optimizer=False, offload_chunk_mb=64):
+                 offload_optimizer=False, offload_chunk_mb=64, offload_overlap=True):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -226,8 +230,13 @@ class Job:
         named = list(model.named_parameters())
         self.layouts = layouts_for([n for n, _ in named], [p.shape for _, p in named], 1 if strategy == "ddp" else self.ws)
         self.state = ShardedState(model, strategy, self.layouts, self.rank, optimizer, mp.param_dtype,
-                                  offload=bool(offload_optimizer), offload_chunk_bytes=int(offload_chunk_mb * 2**20))
+                                  offload=bool(offload_optimizer), offload_chunk_bytes=int(offload_chunk_mb * 2**20),
+                                  offload_overlap=offload_overlap)
         self.offload_all = offload_optimizer == "all"
+        if self.state.streamer is not None:
+            # the update of one step may still run when the next starts: its graph waits for each
+            # parameter before its first reader (passes/ready.py; no-ops where nothing is pending)
+            self.ctx = dataclasses.replace(self.ctx, param_ready=frozenset(self.state.grad_names))
         self.optimizer = self.state.optimizer
         self.buffers = dict(model.named_buffers())
         self._programs: dict[tuple, tuple[Program, Callable]] = {}
@@ -353,6 +362,7 @@ class Job:
         budget = self._residency_budget()
         if st is None or budget is None or self.offload_all:
             return
+        self._drain()
         st.set_resident(())
         prog.resident_state = []
         if self.mesh.device.type == "cuda":
@@ -367,6 +377,7 @@ class Job:
         the current choice), drop the last taken until it fits. Every rank holds shards of the same
         shapes and gets the same ``peak``, so every rank makes the same choice."""
         st = self.state.streamer
+        self._drain()  # the state moves: no update may be running
         budget = self._residency_budget()
         left = budget - self._memory_slack - peak
         keep = []
@@ -445,6 +456,7 @@ class Job:
             torch.cuda.empty_cache()  # the reserved peak then counts this step's own blocks
             torch.cuda.reset_peak_memory_stats(dev)
             loss = self._step(batch)
+            self._drain()
             # reserved, not allocated: what the allocator's rounding and fragmentation cost counts too
             v = torch.tensor([torch.cuda.max_memory_reserved(dev)], dtype=torch.float64)
             if self.ws > 1:
@@ -458,7 +470,7 @@ class Job:
             from .runtime.memory import measure
 
             pred = self.predict_memory(batch)["peak"]
-            loss, peak = measure(self, lambda: self._step(batch))
+            loss, peak = measure(self, lambda: (self._step(batch), self._drain())[0])
             self._check_plan(pred, peak)
             return loss
         return self._step(batch)
@@ -522,6 +534,11 @@ class Job:
         self.steps += 1
         return loss.detach()
 
+    def _drain(self) -> None:
+        """Wait for an optimizer update still running on its own streams (offload on CUDA)."""
+        if self.state.streamer is not None:
+            self.state.streamer.drain()
+
     def _sync_clock(self, force: bool = False) -> float:
         if (self.time_optimizer or force) and self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
@@ -537,6 +554,7 @@ class Job:
         A collective: every rank must call it. With ``rank0_only`` the other ranks get ``{}``.
         Parameters are gathered one at a time onto the CPU, so the whole model is never on one device.
         """
+        self._drain()
         canonical = {id(p): n for n, p in self.model.named_parameters()}
         keep = not rank0_only or self.rank == 0
         out: dict[str, torch.Tensor] = {}
@@ -681,7 +699,20 @@ class Job:
         prog, _ = self._compiled(batch, "step")
         tl, src = self._timeline(prog.gm, self._node_times.get(self._key(batch, "step")))
         opt = self._optimizer_s(self.cost_inputs()[1])
-        return {"step_s": tl.step_s + opt, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
+        step = tl.step_s + opt
+        st = self.state.streamer
+        if st is not None and st.overlap:
+            # the next step's forward runs while this update finishes (passes/ready.py): a step is its
+            # backward plus the longer of its forward and the update
+            seen, todo = set(), [prog.gm.graph.find_nodes(op="output")[0].args[0][0]]
+            while todo:  # the forward: everything the loss depends on
+                n = todo.pop()
+                if n.name not in seen:
+                    seen.add(n.name)
+                    todo.extend(n.all_input_nodes)
+            fwd = max((e for k, name, _, e in tl.events if k == "compute" and name in seen), default=0.0)
+            step = (tl.step_s - fwd) + max(fwd, opt)
+        return {"step_s": step, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
                 "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s, "compute_source": src, "timeline": tl}
 
     def host_link(self):

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 
 from ..capture import Capture
-from . import _emit, accumulate, bucket, ddp, recompute, schedule, unshard, zero
+from . import _emit, accumulate, bucket, ddp, ready, recompute, schedule, unshard, zero
 from .program import Program, ShardContext
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -54,6 +54,8 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes) -> Progra
     if ctx.schedule and starts:
         cap_bytes = ctx.max_in_flight or 2 * max(schedule._payload(s) for s in starts)
         prog.schedule = schedule.schedule(prog.gm, cap_bytes, ctx.max_ops_in_flight)
+    if ctx.param_ready:
+        ready.insert(prog, ctx.param_ready)
     return prog
 
 

@@ -51,6 +51,9 @@ class ShardContext:
     compute_dtype_grads: bool = False
     """ws=1 single-micro-batch steps leave the gradients in the compute dtype (no reduction happens,
     so casting them in the graph only doubles their bytes); the optimizer casts them chunk by chunk."""
+    param_ready: frozenset = frozenset()
+    """Parameters whose inputs get a readiness wait before their first reader (passes/ready.py):
+    the optimizer update of the previous step may still be running when the step starts."""
     estimate: Callable[[fx.GraphModule], tuple[float, int]] | None = None
     """Cost model of a finished program: (predicted seconds, predicted peak bytes of the graph)."""
     bucket_peak_slack: float = 1.10

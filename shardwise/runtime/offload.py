@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed
 
 
 def _zero_init(opt: torch.optim.Optimizer) -> bool:
@@ -44,7 +45,7 @@ class StreamedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
                  compute: dict[str, torch.Tensor], device: torch.device, chunk_bytes: int = 64 * 2**20,
-                 resident=(), window: int = 3):
+                 resident=(), window: int = 3, overlap: bool = True):
         self.opt = optimizer
         self.params = params  # name -> master (an nn.Parameter the optimizer holds); host unless resident
         self.compute = compute  # name -> device shard in the compute dtype, refreshed after updates
@@ -59,8 +60,13 @@ class StreamedOptimizer:
         self.chunks: list[list[tuple]] = []
         self.resident_chunks: list[list[tuple]] = []
         self.set_resident(resident)
+        # CUDA: the update runs on its own stream and the step returns without waiting for it; the
+        # next step's graph waits per parameter (passes/ready.py) via works registered on the
+        # compute shards, so its first layers start while the last are still being updated
+        self.overlap = overlap and self.cuda
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            self.upd = torch.cuda.Stream(device) if self.overlap else None
         self.bytes_moved = 0
 
     @torch.no_grad()
@@ -248,7 +254,13 @@ class StreamedOptimizer:
         roles = ["param"] + sorted({k for _, st in whole.values() for k in st})
         ring = self._slots(roles) if self.chunks else []
         copied_back: dict[int, object] = {}
-        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        ready: dict[str, object] = {}  # name -> event after its last update (overlap)
+        main = torch.cuda.current_stream(self.device) if self.cuda else None
+        cur = self.upd if self.overlap else main  # the stream the update runs on
+        if self.overlap:
+            cur.wait_stream(main)  # the gradients exist and the step's graph is done with the shards
+            for g in grads.values():
+                g.record_stream(cur)  # the compute stream must not reuse them before the update read them
 
         def copy_in(i):
             slot = ring[i % len(ring)]
@@ -276,7 +288,7 @@ class StreamedOptimizer:
             if self.cuda:
                 # the gradients (made on the compute stream) exist before the update reads them, and
                 # the previous step's copies back are done before this step's copies in (ring reuse)
-                self.h2d.wait_stream(cur)
+                self.h2d.wait_stream(main)
                 self.h2d.wait_stream(self.d2h)
             staged = {0: copy_in(0)} if self.chunks else {}
             # the resident part updates in place on the compute stream while the first chunk is copied in
@@ -285,17 +297,25 @@ class StreamedOptimizer:
                 for n, a, b in chunk:
                     data, states = whole[n]
                     views[n] = (self._piece(data, a, b), {k: self._piece(v, a, b) for k, v in states.items()})
-                self._update(chunk, grads, views, counts)
+                with self._stream(cur if self.overlap else None):
+                    self._update(chunk, grads, views, counts)
+                    if self.overlap:
+                        ev = torch.cuda.Event()
+                        ev.record()
+                        ready.update((n, ev) for n, _, _ in chunk)
             for i, chunk in enumerate(self.chunks):
                 if i + 1 < len(self.chunks):
                     staged[i + 1] = copy_in(i + 1)
                 views, ev = staged.pop(i)
                 if ev is not None:
                     cur.wait_event(ev)
-                self._update(chunk, grads, views, counts)
-                done = torch.cuda.Event() if self.cuda else None
-                if done is not None:
-                    done.record()
+                with self._stream(cur if self.overlap else None):
+                    self._update(chunk, grads, views, counts)
+                    done = torch.cuda.Event() if self.cuda else None
+                    if done is not None:
+                        done.record()
+                if self.overlap:
+                    ready.update((n, done) for n, _, _ in chunk)
                 with self._stream(self.d2h if self.cuda else None):
                     if done is not None:
                         self.d2h.wait_event(done)
@@ -329,7 +349,35 @@ class StreamedOptimizer:
                 st = self.opt.state.get(p)
                 if st is not None:
                     st.update(states)
-        if self.cuda:
+        if self.overlap:
+            # the next graph waits for each parameter where it first reads it (passes/ready.py)
+            from torch._C._distributed_c10d import _register_work
+
+            for n, ev in ready.items():
+                c = self.compute.get(n)
+                if c is not None:
+                    _register_work(c, _Ready(ev))
+        elif self.cuda:
             # the next step's graph reads the refreshed compute shards (written on the compute
             # stream); it must not start before the slots are free again either (next step's ring)
-            cur.wait_stream(self.d2h)
+            main.wait_stream(self.d2h)
+
+    def drain(self) -> None:
+        """Wait (host) for the update and its copies back: before reading state outside a step."""
+        if self.cuda:
+            if self.upd is not None:
+                self.upd.synchronize()
+            self.d2h.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(self.upd or self.d2h)
+
+
+class _Ready(torch.distributed.Work):
+    """A work whose ``wait`` makes the current stream wait for one parameter's update event."""
+
+    def __init__(self, event):
+        super().__init__()
+        self.event = event
+
+    def wait(self, timeout=None) -> bool:
+        torch.cuda.current_stream().wait_event(self.event)
+        return True

@@ -54,6 +54,7 @@ class ShardedState:
         param_dtype: torch.dtype | None,
         offload: bool = False,
         offload_chunk_bytes: int = 64 * 2**20,
+        offload_overlap: bool = True,
     ):
         self.strategy = strategy
         self.layouts = layouts
@@ -106,7 +107,7 @@ class ShardedState:
             from .offload import StreamedOptimizer
 
             self.streamer = StreamedOptimizer(self.optimizer, dict(opt_tensors), self.compute, self.device,
-                                              offload_chunk_bytes)
+                                              offload_chunk_bytes, overlap=offload_overlap)
         if strategy != "ddp" and not _elementwise(self.optimizer):
             raise ValueError(
                 f"{type(self.optimizer).__name__} is not known to be elementwise, so it cannot run on {strategy} "

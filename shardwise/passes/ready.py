@@ -1,0 +1,42 @@
+"""Parameter readiness: the step may start before the last optimizer update has finished.
+
+Under optimizer offload the update of step ``t`` streams through the device on its own streams.
+The next step's graph need not wait for all of it: each parameter input gets a
+``wait_tensor`` right before its first reader, and the runtime registers, on each compute shard
+the update refreshes, a work whose ``wait`` makes the compute stream wait for that parameter's
+update (runtime/offload.py). The forward then starts on the first layers while the last ones are
+still being updated. ``wait_tensor`` returns its input (an alias: no copy, in the FX executor and
+under inductor alike) and is a no-op for a tensor with nothing registered.
+
+Inserted after scheduling, so the collective schedule is untouched; the cost model reads these
+waits as free (they are not collectives).
+"""
+
+from __future__ import annotations
+
+from . import _emit
+from .program import Program
+
+
+def insert(prog: Program, names: frozenset) -> int:
+    """Put a readiness wait before the first reader of each parameter input named in ``names``;
+    returns how many were put."""
+    g = prog.gm.graph
+    phs = g.find_nodes(op="placeholder")[: prog.capture.n_params]
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    done = 0
+    for name, ph in zip(prog.capture.param_names, phs):
+        if name not in names or not ph.users:
+            continue
+        first = min(ph.users, key=pos.__getitem__)
+        with g.inserting_before(first):
+            w = g.call_function(_emit.c10d.wait_tensor.default, (ph,))
+        w.meta["val"] = ph.meta.get("val")
+        w.meta["sw_ready"] = name
+        ph.replace_all_uses_with(w, delete_user_cb=lambda u: u is not w)
+        done += 1
+    if done:
+        g.lint()
+        prog.gm.recompile()
+    return done
+
