@@ -325,8 +325,12 @@ def train_main(args) -> None:
             extra += f"; {len(prog.unsharded)} parameters kept gathered"
         if prog.recomputed:
             extra += f"; {len(prog.recomputed)} activations recomputed"
-        if job.state.streamer is not None:
-            extra += "; optimizer state on the host"
+        st = job.state.streamer
+        if st is not None:
+            parts = ([f"{_fmt_bytes(st.host_bytes())} on the host (streamed)"] if st.host_bytes() else []) + \
+                ([f"{_fmt_bytes(st.device_bytes())} on the device"] if st.device_bytes() else [])
+            extra += "; optimizer state " + ", ".join(parts) + (
+                " (the first step's measured peak decides what stays on the device)" if job._residency_pending else "")
         print(f"plan: predicted peak {_fmt_bytes(plan['peak'])} per rank{extra}", flush=True)
     peak, peak_step, first = None, None, None
     exposed, pred_ms = None, None

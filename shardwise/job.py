@@ -408,7 +408,8 @@ class Job:
             raise BudgetError(
                 f"memory_budget {self.memory_budget / 2**20:.1f} MiB is less than the state this rank holds "
                 f"between steps ({held / 2**20:.1f} MiB: weights, master shards, optimizer state); use more "
-                "ranks or zero3, or raise the budget")
+                "ranks or zero3, offload_optimizer=True (zero3: master shards and optimizer state in host "
+                "memory), or raise the budget")
         # under offload, optimizer state claims the headroom before any parameter is kept gathered
         reserve = sum(st.param_bytes(n) for n in st.params) if st is not None and not self.offload_all else 0
         return dataclasses.replace(self.ctx, graph_budget=left, reserve=reserve)

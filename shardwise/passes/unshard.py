@@ -28,8 +28,9 @@ class BudgetError(ValueError):
 def _too_big(peak: int, budget: int) -> BudgetError:
     return BudgetError(f"the step needs {peak / 2**20:.1f} MiB for its graph on top of the resident state, "
                        f"{(peak - budget) / 2**20:.1f} MiB more than the budget leaves ({budget / 2**20:.1f} MiB); "
-                       "use more ranks or zero3, a smaller micro-batch (accumulate more of them), or activation "
-                       "checkpointing in the model")
+                       "use more ranks or zero3, a smaller micro-batch (accumulate more of them), activation "
+                       "checkpointing in the model, or (zero3) offload_optimizer=True to move optimizer state "
+                       "to host memory")
 
 
 def check(prog: Program, ctx: ShardContext) -> None:
