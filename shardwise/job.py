@@ -764,6 +764,14 @@ class Job:
                 f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
                 f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
+            if mode != "eval":
+                from .capture.trace import saved_activations
+
+                saved = saved_activations(prog.gm)
+                big = ", ".join(f"{n.name} {tuple(n.meta['val'].shape)} {b / 2**20:.2f}" for n, b in saved[:6])
+                lines.append(f"  activations saved for the backward: {len(saved)}, "
+                             f"{sum(b for _, b in saved) / 2**20:.2f} MiB (views counted with their source); "
+                             f"largest (MiB): {big}")
             if prog.recomputed:
                 lines.append(f"  recomputed in backward ({len(prog.recomputed)}): {', '.join(prog.recomputed)[:300]}")
             if prog.unsharded is not None:

@@ -226,3 +226,20 @@ def test_overlapped_update_is_predicted_to_hide_behind_the_next_forward():
     # the forward hides behind the update: the step is the update plus the backward
     assert serial["step_s"] == serial["graph_s"] + 1.0
     assert serial["graph_s"] + 1.0 > over["step_s"] > 1.0
+
+
+def test_explain_lists_the_activations_the_backward_keeps_and_recomputation_shrinks_them():
+    import re
+
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    seen = {}
+    for rc in (False, True):
+        job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                         recompute=rc)
+        job.step(make_batch("llama", 0, 0))
+        line = next(ln for ln in job.explain().splitlines() if "activations saved for the backward" in ln)
+        count, mib = re.search(r"backward: (\d+), ([\d.]+) MiB", line).groups()
+        seen[rc] = (int(count), float(mib))
+    assert seen[True][0] < seen[False][0] and seen[True][1] < seen[False][1]
