@@ -201,6 +201,7 @@ _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb
             "offload": ("offload_optimizer", lambda v: "all" if v == "all" else bool(int(v))),
             "chunk_mb": ("offload_chunk_mb", float), "overlap": ("offload_overlap", lambda v: bool(int(v))),
             "recompute": ("recompute", lambda v: bool(int(v))),
+            "act": ("offload_activations", lambda v: bool(int(v))),
             "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30))}
 
 

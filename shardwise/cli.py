@@ -114,7 +114,7 @@ def _memory_kw(args) -> dict:
         raise SystemExit(f"--memory-budget must be positive, got {b}")
     budget = None if b is None else (int(b * 2**30) if b > 1 else float(b))
     return {"memory_budget": budget, "offload_optimizer": {None: False, "fit": True, "all": "all"}[args.offload_optimizer],
-            "recompute": args.recompute}
+            "recompute": args.recompute, "offload_activations": args.offload_activations}
 
 
 def _build_model(args, mesh, **overrides):
@@ -152,6 +152,8 @@ def _model_args(p) -> None:
                         "'fit' (the default when given) keeps on the device the part that fits, 'all' none")
     p.add_argument("--recompute", action="store_true",
                    help="recompute cheap elementwise activations in the backward instead of keeping them")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="keep the activations the backward reads in host memory between forward and backward")
 
 
 def _bench_parser(sub) -> None:
@@ -325,6 +327,8 @@ def train_main(args) -> None:
             extra += f"; {len(prog.unsharded)} parameters kept gathered"
         if prog.recomputed:
             extra += f"; {len(prog.recomputed)} activations recomputed"
+        if prog.offloaded:
+            extra += f"; {len(prog.offloaded)} activations kept in host memory"
         st = job.state.streamer
         if st is not None:
             parts = ([f"{_fmt_bytes(st.host_bytes())} on the host (streamed)"] if st.host_bytes() else []) + \

@@ -77,6 +77,7 @@ def compile(
     offload_chunk_mb: float = 64,
     offload_overlap: bool = True,
     recompute: bool = False,
+    offload_activations: bool = False,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -105,7 +106,10 @@ def compile(
     streams and the next step starts before it ends, each parameter's first reader waiting for that
     parameter (passes/ready.py); ``offload_overlap=False`` makes each step wait for the whole update.
     ``recompute`` recomputes cheap elementwise activations in the backward instead of keeping them
-    (passes/recompute.py); a budget turns it on when needed.
+    (passes/recompute.py); ``offload_activations`` keeps every activation the backward reads in host
+    memory between forward and backward, copied out and back on a stream of their own
+    (passes/actoffload.py). A budget turns each on when needed, recomputation first, then offload
+    of the largest activations.
 
     Example::
 
@@ -162,6 +166,8 @@ def compile(
         job.ctx = dataclasses.replace(job.ctx, keep_gathered=frozenset(keep_gathered))
     if recompute:
         job.ctx = dataclasses.replace(job.ctx, recompute=True)
+    if offload_activations:
+        job.ctx = dataclasses.replace(job.ctx, offload_activations=True)
     return job
 
 
@@ -212,6 +218,8 @@ class Job:
             bucket_bytes=int(bucket_mb * 2**20),
             shard_bucket_bytes=shard_bucket_mb if shard_bucket_mb in (None, "auto") else int(shard_bucket_mb * 2**20),
             estimate=self._estimate,
+            node_time=self._node_time,
+            fetch_time=lambda nbytes: nbytes / self.host_link().h2d,
             schedule=schedule,
             max_in_flight=None if max_in_flight_mb is None else int(max_in_flight_mb * 2**20),
             # gloo: one at a time (see ShardContext.max_ops_in_flight)
@@ -604,6 +612,12 @@ class Job:
         tl = simulate(gm, compute, lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
         return tl, "measured" if measured is not None else "roofline"
 
+    def _node_time(self, n) -> float:
+        """The roofline time of one node on this job's device (the cost model's compute estimate)."""
+        from .costmodel import node_time
+
+        return node_time(n, self.cost_inputs()[1])
+
     def _estimate(self, gm) -> tuple[float, int]:
         """The cost model on a finished program (roofline compute, α-β collectives, liveness)."""
         from .costmodel import liveness
@@ -774,6 +788,9 @@ class Job:
                              f"largest (MiB): {big}")
             if prog.recomputed:
                 lines.append(f"  recomputed in backward ({len(prog.recomputed)}): {', '.join(prog.recomputed)[:300]}")
+            if prog.offloaded:
+                lines.append(f"  activations kept in host memory, fetched back early in the backward "
+                             f"({len(prog.offloaded)}): {', '.join(prog.offloaded)[:300]}")
             if prog.unsharded is not None:
                 lines.append(f"  memory budget {self.memory_budget / 2**20:.1f} MiB: kept gathered forward to backward "
                              f"({len(prog.unsharded)}): {', '.join(prog.unsharded)[:300]}")

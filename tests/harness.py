@@ -410,6 +410,17 @@ def budget_run(budget, recompute=False, with_recomputed=False):
     return prog.unsharded, prog.counts(), pred, peak
 
 
+def act_offload_plan(budget=None, **kw):
+    """(offloaded, recomputed, predicted graph peak, the step program) of a zero3 llama step."""
+    job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
+                     memory_budget=budget, **kw)
+    b = make_batch("llama", 0, dist.get_rank())
+    job.step(b)
+    prog = job.programs()[0]
+    return prog.offloaded or [], prog.recomputed or [], job.predict_memory(b)["graph_peak"], \
+        job.predict_memory(b)["peak"]
+
+
 def offload_facts():
     job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
                      offload_optimizer=True, offload_chunk_mb=1 / 64)

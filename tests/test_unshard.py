@@ -243,3 +243,54 @@ def test_explain_lists_the_activations_the_backward_keeps_and_recomputation_shri
         count, mib = re.search(r"backward: (\d+), ([\d.]+) MiB", line).groups()
         seen[rc] = (int(count), float(mib))
     assert seen[True][0] < seen[False][0] and seen[True][1] < seen[False][1]
+
+
+# -- activation offload (host tier between forward and backward) ---------------------------------
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_parity_with_activations_offloaded(pools, ws):
+    check(pools, "llama", "zero3", "fp64", ws, steps=3, offload_activations=True, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_parity_ddp_with_activations_offloaded(pools):
+    check(pools, "gpt", "ddp", "fp64", 2, steps=3, offload_activations=True, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_offloaded_activations_leave_the_device_between_forward_and_backward():
+    import torch
+
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+    from shardwise.capture.trace import forward_nodes
+    from shardwise.runtime.actoffload import TO_DEVICE, TO_HOST
+
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                     offload_activations=True)
+    job.step(make_batch("llama", 0, 0))
+    prog = job.programs()[0]
+    gm = prog.gm
+    fwd = forward_nodes(gm)
+    out = gm.graph.find_nodes(op="output")[0]
+    by_name = {n.name: n for n in gm.graph.nodes}
+    assert prog.offloaded
+    for name in prog.offloaded:
+        n = by_name[name]
+        (h,) = [u for u in n.users if u.target is TO_HOST]
+        # nothing in the backward reads the device value any more: it reads the copy fetched back
+        assert all(u in fwd or u is out or u.target is TO_HOST for u in n.users)
+        (y,) = h.users
+        assert y.target is TO_DEVICE and y not in fwd
+        (w,) = y.users
+        assert w.target is torch.ops._c10d_functional.wait_tensor.default and w.meta["sw_act"] == name
+
+
+def test_a_budget_offloads_the_largest_activations_when_recomputation_is_not_enough(pools):
+    _, _, graph_base, _ = pools(2).run(harness.act_offload_plan)[0]
+    _, rec, graph_rec, _ = pools(2).run(harness.act_offload_plan, recompute=True)[0]
+    off_all, _, graph_off, _ = pools(2).run(harness.act_offload_plan, recompute=True, offload_activations=True)[0]
+    assert rec and graph_off < graph_rec < graph_base
+    # a budget between the two: recomputation on, then some activations moved out, largest first
+    _, _, _, peak_rec = pools(2).run(harness.act_offload_plan, recompute=True)[0]
+    budget = peak_rec - (graph_rec - graph_off) // 2
+    off, rec_b, _, peak = pools(2).run(harness.act_offload_plan, budget)[0]
+    assert rec_b == rec and 0 < len(off) < len(off_all) and peak <= budget

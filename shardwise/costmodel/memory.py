@@ -89,6 +89,9 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
     out = gm.graph.find_nodes(op="output")[0]
     owners: dict[fx.Node, frozenset] = {}
     size: dict[fx.Node, int] = {}
+    # the graph's device: values elsewhere (activations offloaded to the host) take none of its memory
+    dev = next((v.device.type for p in nodes if p.op == "placeholder"
+                and (v := p.meta.get("val")) is not None and hasattr(v, "device")), None)
     for n in nodes:
         if n.op == "placeholder":
             owners[n] = frozenset()
@@ -101,7 +104,9 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
                 owners[n] = reads
             else:
                 owners[n] = frozenset([n])
-                size[n] = _bytes(n.meta.get("val"))
+                v = n.meta.get("val")
+                size[n] = 0 if n.meta.get("sw_host") or (dev is not None and getattr(v, "device", None) is not None
+                                                         and v.device.type != dev) else _bytes(v)
     end = len(nodes)
     last: dict[fx.Node, int] = {o: pos[o] for o in size}
     outputs = set()

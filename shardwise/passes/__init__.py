@@ -6,7 +6,7 @@ import copy
 import dataclasses
 
 from ..capture import Capture
-from . import _emit, accumulate, bucket, ddp, ready, recompute, schedule, unshard, zero
+from . import _emit, accumulate, actoffload, bucket, ddp, ready, recompute, schedule, unshard, zero
 from .program import Program, ShardContext
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -28,9 +28,15 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     if ctx.graph_budget is not None:
         if strategy == "zero3":
             return unshard.plan(cap, ctx, mode, lambda c: shard_step(cap, strategy, c, mode))
-        prog = shard_step(cap, strategy, dataclasses.replace(ctx, graph_budget=None), mode)
+        free = dataclasses.replace(ctx, graph_budget=None)
+        prog = shard_step(cap, strategy, free, mode)
         if ctx.estimate(prog.gm)[1] > ctx.graph_budget and not ctx.recompute:
-            prog = shard_step(cap, strategy, dataclasses.replace(ctx, graph_budget=None, recompute=True), mode)
+            free = dataclasses.replace(free, recompute=True)
+            prog = shard_step(cap, strategy, free, mode)
+        peak = ctx.estimate(prog.gm)[1]
+        if peak > ctx.graph_budget:
+            prog, _ = unshard.offload_to_fit(lambda c: shard_step(cap, strategy, c, mode), free, prog, peak,
+                                             ctx.graph_budget, ctx.estimate)
         unshard.check(prog, ctx)
         return prog
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
@@ -54,6 +60,11 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes) -> Progra
     if ctx.schedule and starts:
         cap_bytes = ctx.max_in_flight or 2 * max(schedule._payload(s) for s in starts)
         prog.schedule = schedule.schedule(prog.gm, cap_bytes, ctx.max_ops_in_flight)
+    if ctx.offload_activations:
+        names = ctx.offload_activations if ctx.offload_activations is not True \
+            else {n.name for n, _ in actoffload.candidates(prog.gm)}
+        prog.offloaded = actoffload.apply(prog.gm, names, ctx.node_time or (lambda n: 0.0),
+                                          ctx.fetch_time or (lambda b: 0.0))
     if ctx.param_ready:
         ready.insert(prog, ctx.param_ready)
     return prog

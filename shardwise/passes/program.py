@@ -51,6 +51,13 @@ class ShardContext:
     compute_dtype_grads: bool = False
     """ws=1 single-micro-batch steps leave the gradients in the compute dtype (no reduction happens,
     so casting them in the graph only doubles their bytes); the optimizer casts them chunk by chunk."""
+    offload_activations: frozenset | bool = frozenset()
+    """Saved activations (node names) kept in host memory between forward and backward
+    (passes/actoffload.py); True: every one the backward reads."""
+    node_time: Callable[[fx.Node], float] | None = None
+    """Predicted seconds of one node (places the copies back of offloaded activations)."""
+    fetch_time: Callable[[int], float] | None = None
+    """Predicted seconds to copy so many bytes from host to device."""
     param_ready: frozenset = frozenset()
     """Parameters whose inputs get a readiness wait before their first reader (passes/ready.py):
     the optimizer update of the previous step may still be running when the step starts."""
@@ -91,6 +98,8 @@ class Program:
     """Forward nodes the backward recomputes (passes/recompute.py), when that pass ran."""
     unsharded: list | None = None
     """Under a memory budget (zero3): the parameters kept gathered from forward to backward."""
+    offloaded: list | None = None
+    """Saved activations kept in host memory between forward and backward (passes/actoffload.py)."""
     resident_state: list | None = None
     """Under optimizer offload with a budget: parameters whose master and state stay on the device."""
     predicted_graph_peak: int | None = None

@@ -1,7 +1,8 @@
 """Selective unsharding under a memory budget: which zero3 parameters stay gathered from forward to backward.
 
 First the plan must fit with every parameter resharded; if it does not, selective recomputation
-(passes/recompute.py) is turned on, and if it still does not, ``BudgetError``.
+(passes/recompute.py) is turned on, then saved activations are kept in host memory, largest first
+(passes/actoffload.py), and if it still does not fit, ``BudgetError``.
 
 A parameter kept gathered needs no backward all-gather (one collective and its latency fewer per
 step) but its whole weight lives from its forward use to its last backward use. Every such weight is
@@ -33,6 +34,28 @@ def _too_big(peak: int, budget: int) -> BudgetError:
                        "to host memory")
 
 
+def offload_to_fit(build: Callable[[ShardContext], Program], ctx: ShardContext, prog: Program, peak: int,
+                   budget: int, estimate) -> tuple[Program, int]:
+    """Keep saved activations in host memory, largest first, until the predicted peak fits the
+    budget (built and re-checked after each batch that covers the remaining excess); BudgetError
+    when all of them are not enough."""
+    from . import actoffload
+
+    cands = [(n.name, b) for n, b in actoffload.candidates(prog.gm)]
+    chosen: list[str] = []
+    while peak > budget:
+        excess, added = peak - budget, 0
+        while cands and added < excess:
+            name, b = cands.pop(0)
+            chosen.append(name)
+            added += b
+        if not added:
+            raise _too_big(peak, budget)
+        prog = build(dataclasses.replace(ctx, offload_activations=frozenset(chosen)))
+        _, peak = estimate(prog.gm)
+    return prog, peak
+
+
 def check(prog: Program, ctx: ShardContext) -> None:
     """Strategies without decisions to make: the program fits ``ctx.graph_budget`` or BudgetError."""
     _, peak = ctx.estimate(prog.gm)
@@ -50,10 +73,11 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
     budget = ctx.graph_budget
     if ctx.ws == 1:  # one rank gathers nothing: there is nothing to keep gathered
         if peak > budget and not ctx.recompute:
-            base = build(dataclasses.replace(base_ctx, recompute=True))
+            base_ctx = dataclasses.replace(base_ctx, recompute=True)
+            base = build(base_ctx)
             _, peak = ctx.estimate(base.gm)
         if peak > budget:
-            raise _too_big(peak, budget)
+            base, peak = offload_to_fit(build, base_ctx, base, peak, budget, ctx.estimate)
         base.unsharded, base.predicted_graph_peak = [], peak
         return base
     if peak > budget and not ctx.recompute:
@@ -62,7 +86,8 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
         base = build(base_ctx)
         _, peak = ctx.estimate(base.gm)
     if peak > budget:
-        raise _too_big(peak, budget)
+        base, peak = offload_to_fit(build, base_ctx, base, peak, budget, ctx.estimate)
+        base_ctx = dataclasses.replace(base_ctx, offload_activations=frozenset(base.offloaded or ()))
     headroom = budget - peak - ctx.reserve  # what other uses hold first (ShardContext.reserve)
     phs = cap.gm.graph.find_nodes(op="placeholder")[: cap.n_params]
     nbytes = {n: ph.meta["val"].numel() * ph.meta["val"].element_size() for n, ph in zip(cap.param_names, phs)}
