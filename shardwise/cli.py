@@ -400,6 +400,64 @@ def train_main(args) -> None:
     dist.destroy_process_group()
 
 
+def _plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict step time, memory per GPU and MFU of a job on a cluster (no GPU needed)",
+        description="Predicts one optimizer step of a model on a cluster under a parallel strategy with "
+        "shardwise's cost model: compute, tensor-parallel and data-parallel communication, pipeline bubble, "
+        "optimizer; memory per GPU (weights, gradients, optimizer state, activations); tokens/s and MFU.",
+    )
+    p.add_argument("--model", required=True, help="preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
+                   "gpt3-175b) or a Hugging Face config.json")
+    p.add_argument("--cluster", required=True, help="NODE:COUNT, e.g. dgx-h100:32 (nodes of 8 GPUs)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (inside a node)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage of the data-parallel axis")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: one micro-batch per rank)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="selective")
+    p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
+    p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
+    p.add_argument("--efficiency", type=float, default=0.55, help="achieved fraction of peak FLOP/s")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def plan_main(args) -> None:
+    import json
+
+    from shardwise.planner.clusters import cluster
+    from shardwise.planner.estimate import Strategy, estimate
+    from shardwise.planner.models import model
+
+    try:
+        m, c = model(args.model), cluster(args.cluster)
+        st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
+                      global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
+                      virtual=args.virtual, efficiency=args.efficiency)
+        e = estimate(m, c, st)
+    except ValueError as err:
+        raise SystemExit(f"shardwise plan: {err}") from None
+    if args.json:
+        print(json.dumps({"model": str(m), "cluster": str(c), "strategy": st.__dict__, **e.as_dict()}, indent=1))
+        return
+    gb = lambda x: f"{x / 1e9:.1f} GB"  # noqa: E731
+    ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
+    print(m)
+    print(c)
+    print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}, micro-batch {st.micro_batch} x "
+          f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}")
+    print(f"step {e.step_s:.3f} s = compute {ms(e.compute_s)} + tensor-parallel comm {ms(e.tp_comm_s)} + "
+          f"pipeline bubble {ms(e.pp_bubble_s)} + exposed data-parallel comm {ms(e.dp_exposed_s)} "
+          f"(of {ms(e.dp_comm_s)}) + optimizer {ms(e.optimizer_s)}")
+    print(f"tokens/s {e.tokens_per_s:,.0f} ({e.tokens_per_s_per_gpu:,.0f} per GPU), MFU {e.mfu:.1%}")
+    mem = e.memory
+    print(f"memory per GPU {gb(mem['total'])} of {gb(c.accel.hbm_bytes)}{'' if e.fits else ' (DOES NOT FIT)'}: "
+          f"weights {gb(mem['weights'])}, grads {gb(mem['grads'])}, optimizer {gb(mem['optimizer'])}, "
+          f"activations {gb(mem['activations'])}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="A compiler for distributed PyTorch training.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -407,7 +465,11 @@ def main(argv=None) -> int:
     _explain_parser(sub)
     _calibrate_parser(sub)
     _bench_parser(sub)
+    _plan_parser(sub)
     args = parser.parse_args(argv)
+    if args.cmd == "plan":  # a prediction: no processes, no devices
+        plan_main(args)
+        return 0
     if args.cmd == "bench" and args.precision == "fp64":
         parser.error("bench: --precision must be fp32 or bf16")
     fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main, "bench": bench_main}[args.cmd]

@@ -1,0 +1,158 @@
+"""Whole-job prediction: model x strategy x cluster -> step time, memory per GPU, tokens/s, MFU.
+
+Layout of ranks (Megatron's): tensor parallel innermost (inside a node), then pipeline stages,
+then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
+
+- compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward
+  under full recomputation) over the GPUs, at ``efficiency`` of the datasheet peak;
+- tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
+  forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
+  same bytes), two more under full recomputation; not overlapped (Megatron's default);
+- pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute;
+- data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the
+  updated shards; zero 3 adds the forward and backward all-gathers), overlapped with the backward
+  but for the last bucket's share (``dp_exposed``);
+- optimizer: memory-bound AdamW over this GPU's shard.
+
+Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 bytes per parameter,
+the ZeRO paper's mixed-precision figure), divided as the ZeRO stage says; activations per layer
+per Korthikanti et al. 2022 (``s·b·h·(34 + 5·a·s/h)`` bytes with no recomputation, 34·s·b·h with
+selective, 2·s·b·h with full; divided by ``tp`` with sequence parallelism), times the micro-batches
+in flight on the first stage (1F1B: ``pp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .clusters import ClusterSpec
+from .models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Strategy:
+    tp: int = 1
+    pp: int = 1
+    zero: int = 1
+    """ZeRO stage of the data-parallel axis: 0 (plain DP) to 3."""
+    micro_batch: int = 1
+    global_batch: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks (None: one micro-batch per rank)."""
+    seq: int | None = None
+    recompute: str = "selective"
+    """none, selective (attention recomputed) or full (every layer's forward)."""
+    sp: bool = True
+    """Sequence parallelism alongside tensor parallelism."""
+    virtual: int = 1
+    """Interleaved pipeline stages per GPU."""
+    efficiency: float = 0.55
+    """Achieved fraction of peak FLOP/s of the compute (a fitted constant: see bench/results)."""
+    dp_exposed: float = 0.1
+    """Share of the data-parallel communication not hidden behind the backward."""
+
+    def __post_init__(self):
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0..3, got {self.zero}")
+        for k in ("tp", "pp", "micro_batch", "virtual"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be at least 1, got {getattr(self, k)}")
+
+
+@dataclass
+class Estimate:
+    gpus: int
+    dp: int
+    micro_batches: int
+    step_s: float
+    compute_s: float
+    tp_comm_s: float
+    pp_bubble_s: float
+    dp_comm_s: float
+    dp_exposed_s: float
+    optimizer_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    memory: dict
+    """Bytes per GPU: weights, grads, optimizer, activations, total."""
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
+    gpus = cluster.gpus
+    if gpus % (st.tp * st.pp):
+        raise ValueError(f"tp x pp = {st.tp * st.pp} does not divide the {gpus} GPUs of {cluster.name}")
+    if st.tp > cluster.per_node:
+        raise ValueError(f"tp={st.tp} spans nodes ({cluster.per_node} GPUs per node): keep tensor parallel inside a node")
+    if model.layers % (st.pp * st.virtual):
+        raise ValueError(f"{model.layers} layers do not split into pp x virtual = {st.pp * st.virtual} stages")
+    dp = gpus // (st.tp * st.pp)
+    seq = st.seq or model.seq
+    gb = st.global_batch or dp * st.micro_batch
+    if gb % (dp * st.micro_batch):
+        raise ValueError(f"global batch {gb} is not a multiple of dp x micro-batch = {dp * st.micro_batch}")
+    m = gb // (dp * st.micro_batch)  # micro-batches per step on each pipeline
+    tokens = gb * seq
+    acc = cluster.accel
+    h, L, b = model.hidden, model.layers, st.micro_batch
+
+    # compute: the model's FLOPs (+ one forward of the layers under full recomputation, + attention
+    # under selective) spread over every GPU
+    fpt = model.flops_per_token(seq)
+    extra = {"none": 0.0, "selective": 4.0 * L * h * seq, "full": fpt / 3.0}[st.recompute]
+    compute = tokens * (fpt + extra) / gpus / (acc.peak_flops * st.efficiency)
+
+    # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute)
+    per_layer = (6 if st.recompute == "full" else 4)
+    layers_here = L // st.pp
+    act_bytes = 2.0 * b * seq * h
+    one = cluster.collective_s("all_reduce", act_bytes, st.tp)
+    tp_comm = per_layer * layers_here * m * one
+
+    # pipeline bubble (1F1B, interleaved by `virtual`)
+    bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
+
+    # data parallel: gradients of this stage's tensor-parallel shard
+    shard_params = model.params() / (st.tp * st.pp)
+    grad_bytes = 2.0 * shard_params
+    inner = st.tp * st.pp
+    if st.zero == 0:
+        dp_comm = cluster.collective_s("all_reduce", grad_bytes, dp, inner)
+    else:
+        dp_comm = (cluster.collective_s("reduce_scatter", grad_bytes, dp, inner)
+                   + cluster.collective_s("all_gather", grad_bytes, dp, inner) * (3 if st.zero == 3 else 1))
+    dp_exposed = st.dp_exposed * dp_comm if m > 0 else dp_comm
+
+    # optimizer: read/write fp32 master, two moments, read the gradient: ~28 bytes per parameter held
+    opt_params = shard_params / (dp if st.zero >= 1 else 1)
+    optimizer = 28.0 * opt_params / acc.hbm_bw
+
+    step = compute + tp_comm + bubble + dp_exposed + optimizer
+
+    # memory per GPU
+    weights = 2.0 * shard_params / (dp if st.zero == 3 else 1)
+    grads = 2.0 * shard_params / (dp if st.zero >= 2 else 1)
+    optim = 12.0 * shard_params / (dp if st.zero >= 1 else 1)
+    a = model.heads
+    per_layer_act = {"none": seq * b * h * (34 + 5 * a * seq / h), "selective": 34.0 * seq * b * h,
+                     "full": 2.0 * seq * b * h}[st.recompute]
+    if st.sp or st.recompute == "full":
+        per_layer_act /= st.tp
+    in_flight = min(st.pp, m) if st.pp > 1 else 1
+    activations = per_layer_act * layers_here * in_flight
+    if st.recompute == "full":  # one layer's working set is rebuilt at a time
+        activations += seq * b * h * (34 + 5 * a * seq / h) / (st.tp if st.sp else 1)
+    total = weights + grads + optim + activations
+    mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": activations, "total": total}
+
+    tps = tokens / step
+    return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
+                    pp_bubble_s=bubble, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
+                    tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
+                    mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
+                    fits=total <= acc.hbm_bytes)

@@ -1,0 +1,113 @@
+"""Model shapes for ``shardwise plan``: presets of published models and Hugging Face ``config.json``s."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, as far as cost is concerned."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int = 4096
+    gated: bool = True
+    """SwiGLU-style MLP (three matrices) rather than two."""
+    tied: bool = False
+    """Output head shares the embedding."""
+    experts: int = 1
+    top_k: int = 1
+    bias: bool = False
+    learned_positions: int = 0
+    """Rows of a learned position embedding (GPT-3), 0 for rotary."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def attention_params(self) -> int:
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return h * h + 2 * h * kv + h * h + (2 * h + 2 * kv if self.bias else 0)
+
+    def expert_params(self) -> int:
+        """One MLP (one expert of an MoE layer)."""
+        mats = 3 if self.gated else 2
+        return mats * self.hidden * self.ffn + ((self.ffn + self.hidden) if self.bias else 0)
+
+    def layer_params(self, active: bool = False) -> int:
+        router = self.hidden * self.experts if self.experts > 1 else 0
+        experts = self.top_k if active and self.experts > 1 else self.experts
+        norms = 2 * self.hidden * (2 if self.bias else 1)
+        return self.attention_params() + experts * self.expert_params() + router + norms
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.learned_positions * self.hidden
+
+    def head_params(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    def params(self) -> int:
+        """All parameters."""
+        final_norm = self.hidden * (2 if self.bias else 1)
+        return self.embedding_params() + self.head_params() + self.layers * self.layer_params() + final_norm
+
+    def active_params(self) -> int:
+        """Parameters one token passes through (MoE: ``top_k`` experts per layer)."""
+        final_norm = self.hidden * (2 if self.bias else 1)
+        return self.embedding_params() + self.head_params() + self.layers * self.layer_params(True) + final_norm
+
+    def flops_per_token(self, seq: int | None = None) -> float:
+        """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is
+        no multiply; a tied head still is one) plus 12·L·d·T for attention (PaLM's formula)."""
+        seq = seq or self.seq
+        matmul = self.layers * (self.layer_params(True) - 2 * self.hidden) + self.vocab * self.hidden
+        return 6.0 * matmul + 12.0 * self.layers * self.hidden * seq
+
+    def __str__(self) -> str:
+        moe = f", {self.experts} experts top-{self.top_k}" if self.experts > 1 else ""
+        return (f"{self.name}: {self.params() / 1e9:.1f}B params ({self.layers} layers, d={self.hidden}, "
+                f"{self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, vocab {self.vocab}{moe})")
+
+
+MODELS = {
+    # Llama 3 / 3.1 (Meta's model cards: 8.03B, 70.6B, 405.9B parameters)
+    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, 128256, seq=8192),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, seq=8192),
+    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 53248, 128256, seq=8192),
+    # Mixtral 8x7B (46.7B total, 12.9B active per token)
+    "mixtral-8x7b": ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, seq=4096, experts=8, top_k=2),
+    # GPT-3 175B (Brown et al. 2020): GELU MLP, biases, learned positions, tied embedding
+    "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 50257, seq=2048, gated=False, tied=True,
+                           bias=True, learned_positions=2048),
+}
+
+
+def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
+    """A ``ModelSpec`` from a Hugging Face ``config.json`` (Llama, Mistral, Mixtral, Qwen-style keys)."""
+    with open(path) as f:
+        c = json.load(f)
+    try:
+        hidden, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
+        ffn, vocab = c["intermediate_size"], c["vocab_size"]
+    except KeyError as e:
+        raise ValueError(f"{path}: not a decoder config shardwise plan understands (missing {e}); it needs "
+                         "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size") from None
+    return ModelSpec(name or c.get("_name_or_path") or c.get("model_type", "hf-model"), layers, hidden, heads,
+                     c.get("num_key_value_heads", heads), ffn, vocab, seq=c.get("max_position_embeddings", 4096),
+                     tied=bool(c.get("tie_word_embeddings", False)), experts=c.get("num_local_experts", 1),
+                     top_k=c.get("num_experts_per_tok", 1), bias=bool(c.get("attention_bias", False)))
+
+
+def model(name_or_path: str) -> ModelSpec:
+    if name_or_path in MODELS:
+        return MODELS[name_or_path]
+    if name_or_path.endswith(".json"):
+        return from_hf_config(name_or_path)
+    raise ValueError(f"unknown model {name_or_path!r}: a preset ({', '.join(MODELS)}) or a config.json path")

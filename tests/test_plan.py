@@ -1,0 +1,78 @@
+"""``shardwise plan``: model shapes, the multi-level collective model, the step and memory estimate."""
+
+import json
+
+import pytest
+
+from shardwise.planner.clusters import cluster
+from shardwise.planner.estimate import Strategy, estimate
+from shardwise.planner.models import MODELS, from_hf_config, model
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("llama3-8b", 8.03e9, 8.03e9), ("llama3-70b", 70.6e9, 70.6e9), ("llama3-405b", 405.9e9, 405.9e9),
+    ("mixtral-8x7b", 46.7e9, 12.9e9), ("gpt3-175b", 174.6e9, 174.6e9)])
+def test_presets_have_the_published_parameter_counts(name, total, active):
+    # Meta's Llama 3 model cards, Mistral's Mixtral announcement, Brown et al. 2020 (175B)
+    m = MODELS[name]
+    assert abs(m.params() / total - 1) < 0.003 and abs(m.active_params() / active - 1) < 0.003
+
+
+def test_hf_config(tmp_path):
+    cfg = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    assert from_hf_config(str(p)).params() == MODELS["llama3-8b"].params()
+    p.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        model(str(p))
+
+
+def test_collectives_run_level_by_level():
+    c = cluster("dgx-h100:4")
+    S = 1 << 30
+    one_node = c.collective_s("all_gather", S, 8)
+    assert one_node == pytest.approx(7 * c.intra.alpha + 7 / 8 * S / c.intra.busbw)
+    # 32 ranks: 8 inside each node on S, then 4 nodes on S/8 over the NICs
+    both = c.collective_s("all_gather", S, 32)
+    assert both == pytest.approx(one_node + 3 * c.inter.alpha + 3 / 4 * (S / 8) / c.inter.busbw)
+    assert c.collective_s("all_reduce", S, 32) == pytest.approx(2 * both)
+    # ranks 8 apart (tensor parallel filling each node): every step crosses the network
+    assert c.collective_s("all_gather", S, 4, inner=8) == pytest.approx(3 * c.inter.alpha + 3 / 4 * S / c.inter.busbw)
+
+
+def test_estimates_move_the_way_the_strategy_says():
+    m, c = MODELS["llama3-70b"], cluster("dgx-h100:8")
+    base = dict(tp=8, seq=8192, global_batch=64)
+    mem = {z: estimate(m, c, Strategy(zero=z, **base)).memory for z in (0, 1, 2, 3)}
+    assert mem[0]["optimizer"] > mem[1]["optimizer"] and mem[1]["grads"] > mem[2]["grads"]
+    assert mem[2]["weights"] > mem[3]["weights"]
+    rec = {r: estimate(m, c, Strategy(recompute=r, **base)) for r in ("none", "selective", "full")}
+    assert rec["none"].memory["activations"] > rec["selective"].memory["activations"] > rec["full"].memory["activations"]
+    assert rec["none"].compute_s < rec["selective"].compute_s < rec["full"].compute_s
+    pp = [estimate(m, c, Strategy(tp=8, pp=4, seq=8192, global_batch=g)) for g in (16, 64)]
+    assert pp[0].pp_bubble_s / pp[0].compute_s > pp[1].pp_bubble_s / pp[1].compute_s
+    assert estimate(m, c, Strategy(seq=8192, global_batch=64)).tp_comm_s == 0
+
+
+def test_bad_plans_are_refused_with_the_reason():
+    m, c = MODELS["llama3-8b"], cluster("dgx-h100:1")
+    with pytest.raises(ValueError, match="inside a node"):
+        estimate(m, cluster("dgx-h100:2"), Strategy(tp=16))
+    with pytest.raises(ValueError, match="global batch"):
+        estimate(m, c, Strategy(global_batch=3))
+    with pytest.raises(ValueError, match="unknown cluster"):
+        cluster("dgx-z100:4")
+    with pytest.raises(ValueError, match="recompute"):
+        Strategy(recompute="some")
+
+
+def test_cli_plan_json(capsys):
+    from shardwise.cli import main
+
+    main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--zero", "3", "--seq", "8192", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == 8 and out["dp"] == 8 and 0 < out["mfu"] < 1 and out["memory"]["total"] > 0
+    with pytest.raises(SystemExit, match="does not divide"):
+        main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--tp", "3"])
