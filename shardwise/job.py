@@ -171,6 +171,12 @@ def compile(
     return job
 
 
+def _val_bytes(node) -> int:
+    from .costmodel.compute import _bytes
+
+    return _bytes(getattr(node, "meta", {}).get("val"))
+
+
 def _budget_bytes(budget, device: torch.device) -> int | None:
     """``memory_budget`` in bytes: an int is bytes; a float in (0, 1] a fraction of what the process
     may use — on CUDA the device memory times ``torch.cuda.set_per_process_memory_fraction``'s
@@ -388,6 +394,11 @@ class Job:
         self._drain()  # the state moves: no update may be running
         budget = self._residency_budget()
         left = budget - self._memory_slack - peak
+        if st.overlap:
+            # the next graph runs while the update still holds the gradients and its temporaries
+            grads = max((sum(_val_bytes(a) for a in prog.gm.graph.find_nodes(op="output")[0].args[0][1:])
+                         for (_, mode), (prog, _) in self._programs.items() if mode == "step"), default=0)
+            left -= grads + st.transient_bytes()
         keep = []
         for n in st.params:
             b = st.param_bytes(n)

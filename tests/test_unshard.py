@@ -294,3 +294,19 @@ def test_a_budget_offloads_the_largest_activations_when_recomputation_is_not_eno
     budget = peak_rec - (graph_rec - graph_off) // 2
     off, rec_b, _, peak = pools(2).run(harness.act_offload_plan, budget)[0]
     assert rec_b == rec and 0 < len(off) < len(off_all) and peak <= budget
+
+
+def test_inductor_never_reuses_the_memory_of_a_value_being_copied_out():
+    # the copy out runs on its own stream: inductor must not write another kernel's result into the
+    # buffer it reads (its buffer reuse and in-place kernels are off for such graphs)
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                     offload_activations=True, compile="inductor")
+    job.step(make_batch("llama", 0, 0))
+    _, run = job._compiled(make_batch("llama", 0, 0), "step")
+    code = getattr(run.compiled, "source_code", None)
+    if code is None:
+        pytest.skip("this torch's compiled graph does not expose its source code")
+    assert "shardwise.to_host" in code and "shardwise.to_device" in code and "# reuse" not in code

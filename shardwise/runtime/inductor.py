@@ -27,7 +27,13 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
         nonlocal compiled
         inputs = [x.detach() for x in inputs]
         if compiled is None:
-            with torch.no_grad(), ft_cfg.patch(cse=False), ind_cfg.patch(**KEEP_ORDER):
+            cfg = dict(KEEP_ORDER)
+            if _copies_out(gm):
+                # a value copied out on a side stream (activation offload) must not be overwritten by
+                # inductor's own buffer reuse while the copy reads it: its memory goes back through the
+                # caching allocator instead, which honours the copy stream's use of it
+                cfg.update(allow_buffer_reuse=False, inplace_buffers=False)
+            with torch.no_grad(), ft_cfg.patch(cse=False), ind_cfg.patch(**cfg):
                 compiled = compile_fx(gm, inputs)
             run.compiled = compiled
         with torch.no_grad():
@@ -35,6 +41,12 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
 
     run.compiled = None
     return run
+
+
+def _copies_out(gm: fx.GraphModule) -> bool:
+    from .actoffload import TO_HOST
+
+    return any(n.target is TO_HOST for n in gm.graph.nodes)
 
 
 def _keep_order() -> dict:

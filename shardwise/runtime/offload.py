@@ -51,6 +51,9 @@ class StreamedOptimizer:
         self.compute = compute  # name -> device shard in the compute dtype, refreshed after updates
         self.device = device
         self.cuda = device.type == "cuda"
+        if window < 2:
+            raise ValueError(f"StreamedOptimizer: window must be at least 2 (a slot is copied into while the "
+                             f"previous one is updated), got {window}")
         self.chunk_bytes = chunk_bytes
         self.window = window
         self.sliced = _zero_init(optimizer)
@@ -225,11 +228,17 @@ class StreamedOptimizer:
         """The staging ring: ``window`` slots of one flat byte buffer per role (``param`` and each
         per-element state key), made on the compute stream once and reused every step."""
         size = max(self._chunk_bytes(c) + 16 * len(c) for c in self.chunks)
+        self._ring_fresh = False
         if getattr(self, "_ring", None) is None or self._ring_key != (size, tuple(roles)):
+            if getattr(self, "_ring", None) is not None and self.cuda:
+                # the old slots may still be read by copies on the side streams: let them finish before
+                # the allocator hands their memory to the compute stream
+                torch.cuda.synchronize(self.device)
             n = min(self.window, len(self.chunks))
             self._ring = [{r: torch.empty(size, dtype=torch.uint8, device=self.device) for r in roles}
                           for _ in range(n)]
             self._ring_key = (size, tuple(roles))
+            self._ring_fresh = True
         return self._ring
 
     @staticmethod
@@ -286,9 +295,11 @@ class StreamedOptimizer:
 
         try:
             if self.cuda:
-                # the gradients (made on the compute stream) exist before the update reads them, and
-                # the previous step's copies back are done before this step's copies in (ring reuse)
-                self.h2d.wait_stream(main)
+                # the previous step's copies back are done before this step's copies in (ring reuse);
+                # slots just made on the compute stream are ready once it gets here. Otherwise the
+                # copies in need nothing from the compute stream and start during its backward.
+                if getattr(self, "_ring_fresh", True):
+                    self.h2d.wait_stream(main)
                 self.h2d.wait_stream(self.d2h)
             staged = {0: copy_in(0)} if self.chunks else {}
             # the resident part updates in place on the compute stream while the first chunk is copied in
@@ -363,12 +374,16 @@ class StreamedOptimizer:
             main.wait_stream(self.d2h)
 
     def drain(self) -> None:
-        """Wait (host) for the update and its copies back: before reading state outside a step."""
+        """Wait (host) for the update and its copies back: before reading state outside a step. The
+        readiness works left on the compute shards are taken off (their events have passed)."""
         if self.cuda:
             if self.upd is not None:
                 self.upd.synchronize()
             self.d2h.synchronize()
             torch.cuda.current_stream(self.device).wait_stream(self.upd or self.d2h)
+            if self.overlap:
+                for c in self.compute.values():
+                    torch.ops._c10d_functional.wait_tensor(c)
 
 
 class _Ready(torch.distributed.Work):
