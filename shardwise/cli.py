@@ -408,9 +408,9 @@ def _plan_parser(sub) -> None:
         "shardwise's cost model: compute, tensor-parallel and data-parallel communication, pipeline bubble, "
         "optimizer; memory per GPU (weights, gradients, optimizer state, activations); tokens/s and MFU.",
     )
-    p.add_argument("--model", required=True, help="preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
+    p.add_argument("--model", help="preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
                    "gpt3-175b) or a Hugging Face config.json")
-    p.add_argument("--cluster", required=True, help="NODE:COUNT, e.g. dgx-h100:32 (nodes of 8 GPUs)")
+    p.add_argument("--cluster", help="NODE:COUNT, e.g. dgx-h100:32 (nodes of 8 GPUs)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (inside a node)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage of the data-parallel axis")
@@ -420,8 +420,11 @@ def _plan_parser(sub) -> None:
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="selective")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
-    p.add_argument("--efficiency", type=float, default=0.55, help="achieved fraction of peak FLOP/s")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--validate", action="store_true",
+                   help="print predictions against the published runs of the validation table (ignores the rest)")
 
 
 def plan_main(args) -> None:
@@ -431,6 +434,13 @@ def plan_main(args) -> None:
     from shardwise.planner.estimate import Strategy, estimate
     from shardwise.planner.models import model
 
+    if args.validate:
+        from shardwise.planner.validation import markdown, table
+
+        print(markdown(table()))
+        return
+    if not args.model or not args.cluster:
+        raise SystemExit("shardwise plan: --model and --cluster are required (or --validate)")
     try:
         m, c = model(args.model), cluster(args.cluster)
         st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,

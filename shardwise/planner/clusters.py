@@ -29,6 +29,16 @@ class Accelerator:
     """Dense bf16 FLOP/s from the datasheet (MFU is quoted against it)."""
     hbm_bytes: float
     hbm_bw: float
+    eff_max: float = 0.71
+    eff_x0: float = 291.0
+    """Achieved fraction of peak of a transformer layer's compute, ``eff_max · x / (x + eff_x0)`` with
+    ``x`` = hidden size / tensor-parallel size (the width of each GPU's matrix products): wider
+    products run closer to peak. Fitted on two runs of Korthikanti et al. 2022 on A100s (the 22B and
+    175B models with selective recomputation, Table 5); every other run in the validation table is
+    predicted blind. Other accelerators use the A100 curve until runs of theirs are fitted."""
+
+    def efficiency(self, width: float) -> float:
+        return self.eff_max * width / (width + self.eff_x0)
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,10 @@ NVLINK3 = Level("NVLink3/NVSwitch", 229e9, 3.4e-6)    # 8xA100 all-reduce at 1 G
 IB_NDR = Level("InfiniBand NDR 400G", 47e9, 14e-6)    # 46-48 GB/s per CX-7 NIC (nccl-tests#290)
 IB_HDR = Level("InfiniBand HDR 200G", 24e9, 14e-6)    # per NIC (nccl-tests#119)
 
+NO_LINK = Level("none", 1e12, 0.0)
+
 NODES = {
+    "h200": (H200, 1, NO_LINK, None),  # one GPU (our bench machine)
     "dgx-h100": (H100, 8, NVLINK4, IB_NDR),
     "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
     "dgx-a100": (A100, 8, NVLINK3, IB_HDR),

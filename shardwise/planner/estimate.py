@@ -4,7 +4,8 @@ Layout of ranks (Megatron's): tensor parallel innermost (inside a node), then pi
 then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 
 - compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward
-  under full recomputation) over the GPUs, at ``efficiency`` of the datasheet peak;
+  under full recomputation, the attention core under selective) over the GPUs, at an efficiency of
+  the datasheet peak that grows with each GPU's matrix width (clusters.Accelerator.efficiency);
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
   forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
   same bytes), two more under full recomputation; not overlapped (Megatron's default);
@@ -45,8 +46,9 @@ class Strategy:
     """Sequence parallelism alongside tensor parallelism."""
     virtual: int = 1
     """Interleaved pipeline stages per GPU."""
-    efficiency: float = 0.55
-    """Achieved fraction of peak FLOP/s of the compute (a fitted constant: see bench/results)."""
+    efficiency: float | None = None
+    """Achieved fraction of peak FLOP/s of the compute; None: the accelerator's fitted curve of the
+    per-GPU matrix width (clusters.Accelerator.efficiency)."""
     dp_exposed: float = 0.1
     """Share of the data-parallel communication not hidden behind the backward."""
 
@@ -105,7 +107,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # under selective) spread over every GPU
     fpt = model.flops_per_token(seq)
     extra = {"none": 0.0, "selective": 4.0 * L * h * seq, "full": fpt / 3.0}[st.recompute]
-    compute = tokens * (fpt + extra) / gpus / (acc.peak_flops * st.efficiency)
+    eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
+    compute = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
 
     # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute)
     per_layer = (6 if st.recompute == "full" else 4)

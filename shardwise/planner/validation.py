@@ -1,0 +1,73 @@
+"""Predictions of ``shardwise plan`` against published (and our own) measured runs.
+
+Each run names its source. ``fitted`` marks the runs the efficiency curve was fitted on
+(clusters.Accelerator.efficiency); every other run is predicted blind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .clusters import cluster
+from .estimate import Strategy, estimate
+from .models import ModelSpec
+
+KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, " \
+              "arXiv 2205.05198, Table 5 (A100 80GB, Selene)"
+OURS_H200 = "shardwise bench, bench/results/2026-11-29-h200-llama1b-ws1.json (plain torch.compile row)"
+
+
+def _megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    # Megatron's GPT: vocabulary 51,200, sequence 2048, GELU MLP of 4h, biases, learned positions, tied head
+    return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, 51200, seq=2048, gated=False, tied=True,
+                     bias=True, learned_positions=2048)
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    model: ModelSpec
+    cluster: str
+    strategy: Strategy
+    measured_step_s: float
+    source: str
+    fitted: bool = False
+
+
+def _tab5(label, model, nodes, pp, batch, micro, virtual, full_s, seqsel_s, fitted_seqsel=False):
+    full = Strategy(tp=8, pp=pp, zero=0, micro_batch=micro, global_batch=batch, recompute="full", sp=False,
+                    virtual=virtual)
+    sel = Strategy(tp=8, pp=pp, zero=0, micro_batch=micro, global_batch=batch, recompute="selective", sp=True,
+                   virtual=virtual)
+    return [Run(f"{label}, full recomputation", model, f"dgx-a100:{nodes}", full, full_s, KORTHIKANTI),
+            Run(f"{label}, sequence parallel + selective", model, f"dgx-a100:{nodes}", sel, seqsel_s, KORTHIKANTI,
+                fitted_seqsel)]
+
+
+RUNS: list[Run] = [
+    *_tab5("22B, 8 GPUs, t=8", _megatron_gpt("megatron-22b", 48, 6144, 64), 1, 1, 4, 4, 1, 1.42, 1.10, True),
+    *_tab5("175B, 64 GPUs, t=8 p=8", _megatron_gpt("gpt3-175b", 96, 12288, 96), 8, 8, 64, 1, 3, 18.13, 13.75, True),
+    *_tab5("530B, 280 GPUs, t=8 p=35", _megatron_gpt("mt-nlg-530b", 105, 20480, 128), 35, 35, 280, 1, 3, 49.05, 37.83),
+    *_tab5("1T, 512 GPUs, t=8 p=64", _megatron_gpt("megatron-1t", 128, 25600, 160), 64, 64, 512, 1, 1, 94.42, 71.49),
+    Run("1.1B Llama, 1 H200, batch 4x2048, bf16, no recomputation (A100 curve: no H200 run fitted)",
+        ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048), "h200:1",
+        Strategy(zero=0, micro_batch=4, recompute="none"), 0.1257, OURS_H200),
+]
+
+
+def table(runs: list[Run] = RUNS) -> list[dict]:
+    rows = []
+    for r in runs:
+        e = estimate(r.model, cluster(r.cluster), r.strategy)
+        rows.append({"run": r.label, "measured_s": r.measured_step_s, "predicted_s": e.step_s,
+                     "error": e.step_s / r.measured_step_s - 1, "fitted": r.fitted, "source": r.source})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| run | measured s/step | predicted | error | fitted or blind | source |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['measured_s']:.4g} | {r['predicted_s']:.4g} | {r['error']:+.1%} | "
+                     f"{'fitted' if r['fitted'] else 'blind'} | {r['source']} |")
+    return "\n".join(lines)
