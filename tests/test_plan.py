@@ -31,15 +31,16 @@ def test_hf_config(tmp_path):
 
 def test_collectives_run_level_by_level():
     c = cluster("dgx-h100:4")
+    intra, inter = c.dims[0][1], c.dims[1][1]
     S = 1 << 30
     one_node = c.collective_s("all_gather", S, 8)
-    assert one_node == pytest.approx(7 * c.intra.alpha + 7 / 8 * S / c.intra.busbw)
+    assert one_node == pytest.approx(7 * intra.alpha + 7 / 8 * S / intra.busbw)
     # 32 ranks: 8 inside each node on S, then 4 nodes on S/8 over the NICs
     both = c.collective_s("all_gather", S, 32)
-    assert both == pytest.approx(one_node + 3 * c.inter.alpha + 3 / 4 * (S / 8) / c.inter.busbw)
+    assert both == pytest.approx(one_node + 3 * inter.alpha + 3 / 4 * (S / 8) / inter.busbw)
     assert c.collective_s("all_reduce", S, 32) == pytest.approx(2 * both)
     # ranks 8 apart (tensor parallel filling each node): every step crosses the network
-    assert c.collective_s("all_gather", S, 4, inner=8) == pytest.approx(3 * c.inter.alpha + 3 / 4 * S / c.inter.busbw)
+    assert c.collective_s("all_gather", S, 4, inner=8) == pytest.approx(3 * inter.alpha + 3 / 4 * S / inter.busbw)
 
 
 def test_estimates_move_the_way_the_strategy_says():
@@ -97,3 +98,21 @@ def test_cli_plan_validate(capsys):
     assert out.count("| blind |") >= 6 and "Korthikanti" in out
     with pytest.raises(SystemExit, match="required"):
         main(["plan", "--model", "llama3-8b"])
+
+
+def test_tpu_slices_are_tori_whose_full_axes_ring_both_ways():
+    v5p = cluster("tpu-v5p:4x4x8")
+    assert v5p.gpus == 128 and [n for n, _ in v5p.dims] == [4, 4, 8]
+    S = 1 << 30
+    # bandwidth-bound, an all-gather along one full axis takes about S / (2 x link): independent of its length
+    ax = v5p.collective_s("all_gather", S, 4)
+    assert ax == pytest.approx(3 * 1e-6 + 3 / 4 * S / 1.8e11)
+    # over the whole slice, axis by axis on shrinking data
+    assert v5p.collective_s("all_gather", S, 128) < 1.5 * v5p.collective_s("all_gather", S, 4)
+    # an axis without its wraparound (not a multiple of 4) has half the bandwidth
+    line = cluster("tpu-v5p:2x4x4")
+    assert line.dims[0][1].busbw == 9e10 and line.dims[1][1].busbw == 1.8e11
+    with pytest.raises(ValueError, match="3-D torus"):
+        cluster("tpu-v5p:16x16")
+    e = estimate(MODELS["llama3-8b"], cluster("tpu-v5e:16x16"), Strategy(zero=3, seq=8192))
+    assert e.gpus == 256 and e.mfu > 0

@@ -43,28 +43,43 @@ class Accelerator:
 
 @dataclass(frozen=True)
 class ClusterSpec:
+    """Accelerators and the network dimensions between them, innermost first: ``(size, Level)``
+    pairs — a DGX cluster is ``[(8, NVLink), (nodes, InfiniBand)]``, a TPU slice one pair per torus
+    axis."""
+
     name: str
     accel: Accelerator
-    per_node: int
-    nodes: int
-    intra: Level
-    inter: Level | None = None
-    notes: tuple = field(default_factory=tuple)
+    dims: tuple
 
     @property
     def gpus(self) -> int:
-        return self.per_node * self.nodes
+        n = 1
+        for size, _ in self.dims:
+            n *= size
+        return n
+
+    @property
+    def per_node(self) -> int:
+        """Ranks of the innermost dimension (a node's GPUs; a torus slice's first axis)."""
+        return self.dims[0][0]
 
     def levels(self, group: int, inner: int = 1) -> list[tuple[int, Level]]:
-        """How a group of ``group`` consecutive-stride ranks spreads over the levels, when the ranks
-        of one group are ``inner`` apart (tensor parallel groups are innermost: ``inner`` = 1)."""
-        in_node = max(1, min(group, self.per_node // min(inner, self.per_node)))
-        out = [(in_node, self.intra)]
-        rest = group // in_node
-        if rest > 1:
-            if self.inter is None:
-                raise ValueError(f"{self.name}: a group of {group} does not fit one node and the cluster has no network")
-            out.append((rest, self.inter))
+        """How a group of ``group`` ranks spreads over the dimensions when its ranks are ``inner``
+        apart (tensor-parallel groups are innermost: ``inner`` = 1; data-parallel ranks are
+        ``tp · pp`` apart)."""
+        out, stride, left = [], inner, group
+        for size, lvl in self.dims:
+            if left <= 1:
+                break
+            if stride >= size:  # this dimension lies inside one group of the inner axes
+                stride //= size
+                continue
+            n = min(left, size // stride)
+            stride = 1
+            out.append((n, lvl))
+            left //= n
+        if left > 1:
+            raise ValueError(f"{self.name}: a group of {group} ranks {inner} apart does not fit its {self.gpus} ranks")
         return out
 
     def collective_s(self, kind: str, nbytes: float, group: int, inner: int = 1) -> float:
@@ -81,9 +96,9 @@ class ClusterSpec:
         return t
 
     def __str__(self) -> str:
-        net = f", {self.inter.name} {self.inter.busbw / 1e9:.0f} GB/s per GPU" if self.inter else ""
-        return (f"{self.name}: {self.nodes} x {self.per_node} {self.accel.name} ({self.gpus} GPUs), "
-                f"{self.intra.name} {self.intra.busbw / 1e9:.0f} GB/s busbw{net}")
+        shape = " x ".join(str(n) for n, _ in self.dims)
+        links = ", ".join(f"{lvl.name} {lvl.busbw / 1e9:.0f} GB/s" for lvl in dict.fromkeys(l for _, l in self.dims))
+        return f"{self.name}: {shape} {self.accel.name} ({self.gpus} chips), {links}"
 
 
 H100 = Accelerator("H100 SXM", 989e12, 80e9, 3.35e12)
@@ -105,12 +120,39 @@ NODES = {
     "dgx-a100": (A100, 8, NVLINK3, IB_HDR),
 }
 
+# TPUs (Cloud TPU documentation, jax-ml/scaling-book; shared/notes/cost-models.md §2): chip, one-way ICI
+# bandwidth per link, torus rank, the axis length that carries a wraparound link (a full axis)
+TPUS = {
+    "tpu-v4": (Accelerator("TPU v4", 275e12, 32e9, 1.2e12), 4.5e10, 3, 4),
+    "tpu-v5p": (Accelerator("TPU v5p", 459e12, 95e9, 2.76e12), 9e10, 3, 4),
+    "tpu-v5e": (Accelerator("TPU v5e", 197e12, 16e9, 0.82e12), 5e10, 2, 16),
+    "tpu-v6e": (Accelerator("TPU v6e", 918e12, 32e9, 1.64e12), 1e11, 2, 16),
+}
+ICI_HOP_S = 1e-6  # about 1 µs per hop (scaling-book)
+
+
+def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
+    accel, link, rank, full = TPUS[name]
+    try:
+        sizes = [int(x) for x in shape.split("x")]
+    except ValueError:
+        raise ValueError(f"cluster {spec!r}: a TPU slice is NAME:AxBxC, e.g. {name}:" + "x".join(["4"] * rank)) from None
+    if len(sizes) != rank or min(sizes) < 1:
+        raise ValueError(f"cluster {spec!r}: {name} is a {rank}-D torus: give {rank} axis lengths")
+    # along an axis with a wraparound link a ring sends both ways: twice the link's one-way bandwidth
+    dims = tuple((n, Level(f"ICI {'torus' if n % full == 0 else 'line'}", link * (2 if n % full == 0 else 1),
+                           ICI_HOP_S)) for n in sizes)
+    return ClusterSpec(spec, accel, dims)
+
 
 def cluster(spec: str) -> ClusterSpec:
-    """``dgx-h100:32`` = 32 nodes of 8 H100s; a bare node name is one node."""
+    """``dgx-h100:32`` = 32 nodes of 8 H100s (a bare node name is one node); ``tpu-v5p:4x4x8`` a TPU slice."""
     name, _, n = spec.partition(":")
+    if name in TPUS:
+        return _tpu(spec, name, n or "x".join(["4"] * TPUS[name][2]))
     if name not in NODES:
-        raise ValueError(f"unknown cluster {name!r}: one of {', '.join(NODES)} (as NAME:NODES, e.g. dgx-h100:32)")
+        raise ValueError(f"unknown cluster {name!r}: one of {', '.join([*NODES, *TPUS])} "
+                         "(as NAME:NODES, e.g. dgx-h100:32, or a TPU slice, e.g. tpu-v5p:4x4x8)")
     try:
         nodes = int(n or 1)
     except ValueError:
@@ -118,4 +160,5 @@ def cluster(spec: str) -> ClusterSpec:
     if nodes < 1:
         raise ValueError(f"cluster {spec!r}: needs at least one node")
     accel, per, intra, inter = NODES[name]
-    return ClusterSpec(spec, accel, per, nodes, intra, inter)
+    dims = ((per, intra),) + (((nodes, inter),) if nodes > 1 or inter is not None else ())
+    return ClusterSpec(spec, accel, dims)

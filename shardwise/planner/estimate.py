@@ -90,7 +90,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if gpus % (st.tp * st.pp):
         raise ValueError(f"tp x pp = {st.tp * st.pp} does not divide the {gpus} GPUs of {cluster.name}")
     if st.tp > cluster.per_node:
-        raise ValueError(f"tp={st.tp} spans nodes ({cluster.per_node} GPUs per node): keep tensor parallel inside a node")
+        raise ValueError(f"tp={st.tp} spans nodes ({cluster.per_node} GPUs per node, or along a TPU slice's first "
+                         "axis): keep tensor parallel inside a node")
     if model.layers % (st.pp * st.virtual):
         raise ValueError(f"{model.layers} layers do not split into pp x virtual = {st.pp * st.virtual} stages")
     dp = gpus // (st.tp * st.pp)
