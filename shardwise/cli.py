@@ -423,6 +423,10 @@ def _plan_parser(sub) -> None:
     p.add_argument("--efficiency", type=float, default=None,
                    help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--sweep", default=None,
+                   help="AXIS=V1,V2,... (cluster, model, tp, pp, zero, micro-batch, global-batch, seq, recompute, "
+                        "virtual): one estimate per value; or a built-in sweep: grad-sync, latency")
+    p.add_argument("--png", default=None, help="with --sweep AXIS=...: write a plot there")
     p.add_argument("--validate", action="store_true",
                    help="print predictions against the published runs of the validation table (ignores the rest)")
 
@@ -439,16 +443,39 @@ def plan_main(args) -> None:
 
         print(markdown(table()))
         return
+    if args.sweep in ("grad-sync", "latency"):
+        from shardwise.planner import sweep
+
+        if args.sweep == "grad-sync":
+            if not args.model:
+                raise SystemExit("shardwise plan --sweep grad-sync: needs --model")
+            rows = sweep.grad_sync(model(args.model))
+        else:
+            rows = sweep.latency()
+        print(json.dumps(rows, indent=1) if args.json else sweep.table(rows))
+        return
     if not args.model or not args.cluster:
-        raise SystemExit("shardwise plan: --model and --cluster are required (or --validate)")
+        raise SystemExit("shardwise plan: --model and --cluster are required (or --validate, --sweep grad-sync|latency)")
     try:
         m, c = model(args.model), cluster(args.cluster)
         st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
                       virtual=args.virtual, efficiency=args.efficiency)
-        e = estimate(m, c, st)
+        if args.sweep:
+            from shardwise.planner import sweep
+
+            key, values = sweep.parse(args.sweep)
+            rows = sweep.run(key, values, m, args.cluster, st)
+        else:
+            e = estimate(m, c, st)
     except ValueError as err:
         raise SystemExit(f"shardwise plan: {err}") from None
+    if args.sweep:
+        print(json.dumps(rows, indent=1) if args.json else sweep.table(rows))
+        if args.png:
+            sweep.plot(rows, key, args.png, f"{m.name} on {args.cluster}, sweep over {key}")
+            print(f"wrote {args.png}")
+        return
     if args.json:
         print(json.dumps({"model": str(m), "cluster": str(c), "strategy": st.__dict__, **e.as_dict()}, indent=1))
         return

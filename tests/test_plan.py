@@ -116,3 +116,25 @@ def test_tpu_slices_are_tori_whose_full_axes_ring_both_ways():
         cluster("tpu-v5p:16x16")
     e = estimate(MODELS["llama3-8b"], cluster("tpu-v5e:16x16"), Strategy(zero=3, seq=8192))
     assert e.gpus == 256 and e.mfu > 0
+
+
+def test_sweeps(tmp_path, capsys):
+    from shardwise.cli import main
+    from shardwise.planner import sweep
+
+    key, vals = sweep.parse("tp=1,2,4,8")
+    rows = sweep.run(key, vals, MODELS["llama3-70b"], "dgx-h100:8", Strategy(zero=3, seq=8192, global_batch=64))
+    assert [r["tp"] for r in rows] == [1, 2, 4, 8]
+    # more tensor parallelism: less memory per GPU, more communication
+    assert rows[0]["memory_gb"] > rows[-1]["memory_gb"] and rows[0]["comm_s"] < rows[-1]["comm_s"]
+    bad = sweep.run("tp", [3], MODELS["llama3-70b"], "dgx-h100:8", Strategy())
+    assert "error" in bad[0]
+    with pytest.raises(ValueError, match="AXIS"):
+        sweep.parse("colour=red")
+    sync = {r["interconnect"].split(" (")[0]: r["all_reduce_s"] for r in sweep.grad_sync(MODELS["llama3-8b"])}
+    assert sync["8 H100 in one node"] < sync["8 H100 in 8 nodes"]
+    lat = [r for r in sweep.latency(models=("llama3-8b",)) if r["tolerated_latency_us"]]
+    assert all(a["tolerated_latency_us"] > b["tolerated_latency_us"] for a, b in zip(lat, lat[1:]))
+    png = tmp_path / "s.png"
+    main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--sweep", "zero=0,1,2,3", "--png", str(png)])
+    assert png.exists() and "| zero |" in capsys.readouterr().out
