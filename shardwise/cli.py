@@ -423,6 +423,7 @@ def _plan_parser(sub) -> None:
     p.add_argument("--efficiency", type=float, default=None,
                    help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--explain", action="store_true", help="print each term's formula with its numbers")
     p.add_argument("--sweep", default=None,
                    help="AXIS=V1,V2,... (cluster, model, tp, pp, zero, micro-batch, global-batch, seq, recompute, "
                         "virtual): one estimate per value; or a built-in sweep: grad-sync, latency")
@@ -493,6 +494,10 @@ def plan_main(args) -> None:
     print(f"memory per GPU {gb(mem['total'])} of {gb(c.accel.hbm_bytes)}{'' if e.fits else ' (DOES NOT FIT)'}: "
           f"weights {gb(mem['weights'])}, grads {gb(mem['grads'])}, optimizer {gb(mem['optimizer'])}, "
           f"activations {gb(mem['activations'])}")
+    if args.explain:
+        print("formulas:")
+        for line in e.formulas:
+            print("  " + line)
 
 
 def main(argv=None) -> int:

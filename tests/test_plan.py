@@ -138,3 +138,17 @@ def test_sweeps(tmp_path, capsys):
     png = tmp_path / "s.png"
     main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--sweep", "zero=0,1,2,3", "--png", str(png)])
     assert png.exists() and "| zero |" in capsys.readouterr().out
+
+
+def test_explain_and_a_16k_gpu_plan_in_well_under_10_seconds(capsys):
+    import time
+
+    from shardwise.cli import main
+
+    t0 = time.perf_counter()
+    main(["plan", "--model", "llama3-405b", "--cluster", "dgx-h100:2048", "--tp", "8", "--pp", "16", "--seq", "8192",
+          "--global-batch", "2048", "--explain"])
+    assert time.perf_counter() - t0 < 10
+    out = capsys.readouterr().out
+    assert "(16384 chips)" in out and "bubble = (pp-1)/(m·v)·compute = (16-1)/(16·1)" in out
+    assert "efficiency = 0.71·x/(x+291.0), x = d/tp = 2048" in out

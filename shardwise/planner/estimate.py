@@ -24,7 +24,7 @@ in flight on the first stage (1F1B: ``pp``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .clusters import ClusterSpec
 from .models import ModelSpec
@@ -80,6 +80,8 @@ class Estimate:
     memory: dict
     """Bytes per GPU: weights, grads, optimizer, activations, total."""
     fits: bool
+    formulas: list = field(default_factory=list)
+    """Each term as its formula with the numbers put in (``shardwise plan --explain``)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -155,8 +157,27 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": activations, "total": total}
 
     tps = tokens / step
+    g = lambda x: f"{x:.4g}"  # noqa: E731
+    formulas = [
+        f"flops/token = 6·(active matmul weights) + 12·L·d·T = {g(fpt)} (+ recompute {st.recompute}: {g(extra)})",
+        f"efficiency = {'given' if st.efficiency is not None else f'{acc.eff_max}·x/(x+{acc.eff_x0}), x = d/tp = {h / st.tp:g}'}"
+        f" = {eff:.3f}",
+        f"compute = tokens·flops/token / (gpus·peak·eff) = {g(tokens)}·{g(fpt + extra)} / ({gpus}·{g(acc.peak_flops)}·"
+        f"{eff:.3f}) = {g(compute)} s",
+        f"tensor parallel = {per_layer} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
+        f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s",
+        f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
+        f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
+        f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed {st.dp_exposed:.0%} = {g(dp_exposed)} s",
+        f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
+        f"activations/layer = {'s·b·d·(34 + 5·a·s/d)' if st.recompute == 'none' else '34·s·b·d' if st.recompute == 'selective' else '2·s·b·d'}"
+        f"{'/tp' if st.sp or st.recompute == 'full' else ''} = {g(per_layer_act)} B x {layers_here} layers x "
+        f"{in_flight} in flight",
+        f"memory = 2·N' weights + 2·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
+        f"= {g(total)} B",
+    ]
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
                     pp_bubble_s=bubble, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
                     tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
-                    fits=total <= acc.hbm_bytes)
+                    fits=total <= acc.hbm_bytes, formulas=formulas)
