@@ -94,8 +94,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if st.tp > cluster.per_node:
         raise ValueError(f"tp={st.tp} spans nodes ({cluster.per_node} GPUs per node, or along a TPU slice's first "
                          "axis): keep tensor parallel inside a node")
-    if model.layers % (st.pp * st.virtual):
-        raise ValueError(f"{model.layers} layers do not split into pp x virtual = {st.pp * st.virtual} stages")
+    if model.layers < st.pp * st.virtual:
+        raise ValueError(f"{model.layers} layers cannot fill pp x virtual = {st.pp * st.virtual} stages")
     dp = gpus // (st.tp * st.pp)
     seq = st.seq or model.seq
     gb = st.global_batch or dp * st.micro_batch
@@ -115,7 +115,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
     # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute)
     per_layer = (6 if st.recompute == "full" else 4)
-    layers_here = L // st.pp
+    layers_here = -(-L // st.pp)  # the fullest stage sets the pace when layers do not split evenly
     act_bytes = 2.0 * b * seq * h
     one = cluster.collective_s("all_reduce", act_bytes, st.tp)
     tp_comm = per_layer * layers_here * m * one
