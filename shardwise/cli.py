@@ -420,6 +420,7 @@ def _plan_parser(sub) -> None:
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="selective")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--efficiency", type=float, default=None,
                    help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -461,7 +462,7 @@ def plan_main(args) -> None:
         m, c = model(args.model), cluster(args.cluster)
         st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
-                      virtual=args.virtual, efficiency=args.efficiency)
+                      virtual=args.virtual, ep=args.ep, efficiency=args.efficiency)
         if args.sweep:
             from shardwise.planner import sweep
 
@@ -487,6 +488,7 @@ def plan_main(args) -> None:
     print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}, micro-batch {st.micro_batch} x "
           f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}")
     print(f"step {e.step_s:.3f} s = compute {ms(e.compute_s)} + tensor-parallel comm {ms(e.tp_comm_s)} + "
+          + (f"expert all-to-all {ms(e.ep_comm_s)} + " if st.ep > 1 else "") + 
           f"pipeline bubble {ms(e.pp_bubble_s)} + exposed data-parallel comm {ms(e.dp_exposed_s)} "
           f"(of {ms(e.dp_comm_s)}) + optimizer {ms(e.optimizer_s)}")
     print(f"tokens/s {e.tokens_per_s:,.0f} ({e.tokens_per_s_per_gpu:,.0f} per GPU), MFU {e.mfu:.1%}")

@@ -152,3 +152,16 @@ def test_explain_and_a_16k_gpu_plan_in_well_under_10_seconds(capsys):
     out = capsys.readouterr().out
     assert "(16384 chips)" in out and "bubble = (pp-1)/(m·v)·compute = (16-1)/(16·1)" in out
     assert "efficiency = 0.71·x/(x+291.0), x = d/tp = 2048" in out
+
+
+def test_expert_parallel_spreads_the_experts_and_adds_all_to_alls():
+    m, c = MODELS["mixtral-8x7b"], cluster("dgx-h100:8")
+    base = dict(zero=1, seq=4096, global_batch=64)
+    no_ep, ep = estimate(m, c, Strategy(**base)), estimate(m, c, Strategy(ep=8, **base))
+    assert no_ep.ep_comm_s == 0 < ep.ep_comm_s
+    # the experts are most of the weights: 8-way expert parallelism leaves about an eighth of them per GPU
+    assert ep.memory["weights"] < 0.25 * no_ep.memory["weights"]
+    with pytest.raises(ValueError, match="experts"):
+        estimate(m, c, Strategy(ep=3, **base))
+    with pytest.raises(ValueError, match="experts"):
+        estimate(MODELS["llama3-8b"], c, Strategy(ep=2, **base))

@@ -83,10 +83,16 @@ class ClusterSpec:
         return out
 
     def collective_s(self, kind: str, nbytes: float, group: int, inner: int = 1) -> float:
-        """Seconds of one ``kind`` (all_gather, reduce_scatter, all_reduce) over ``group`` ranks on a
-        full tensor of ``nbytes`` (the all-gather output, the reduce-scatter input)."""
+        """Seconds of one ``kind`` (all_gather, reduce_scatter, all_reduce, all_to_all) over ``group``
+        ranks on a full tensor of ``nbytes`` (the all-gather output, the reduce-scatter input, one
+        rank's all-to-all buffer)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
+        if kind == "all_to_all":
+            # each rank sends (n-1)/n of its ``nbytes`` buffer, the slowest level it spans bounding it
+            lv = self.levels(group, inner)
+            return (group - 1) * max(lvl.alpha for _, lvl in lv) + (group - 1) / group * nbytes / min(
+                lvl.busbw for _, lvl in lv)
         f = 2.0 if kind == "all_reduce" else 1.0
         t, s = 0.0, float(nbytes)
         for n, lvl in self.levels(group, inner):

@@ -46,6 +46,9 @@ class Strategy:
     """Sequence parallelism alongside tensor parallelism."""
     virtual: int = 1
     """Interleaved pipeline stages per GPU."""
+    ep: int = 1
+    """Expert parallelism (MoE): each expert lives on one of ``ep`` data-parallel ranks; tokens reach
+    it by an all-to-all, there and back."""
     efficiency: float | None = None
     """Achieved fraction of peak FLOP/s of the compute; None: the accelerator's fitted curve of the
     per-GPU matrix width (clusters.Accelerator.efficiency)."""
@@ -57,7 +60,7 @@ class Strategy:
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0..3, got {self.zero}")
-        for k in ("tp", "pp", "micro_batch", "virtual"):
+        for k in ("tp", "pp", "micro_batch", "virtual", "ep"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be at least 1, got {getattr(self, k)}")
 
@@ -70,6 +73,7 @@ class Estimate:
     step_s: float
     compute_s: float
     tp_comm_s: float
+    ep_comm_s: float
     pp_bubble_s: float
     dp_comm_s: float
     dp_exposed_s: float
@@ -97,6 +101,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if model.layers < st.pp * st.virtual:
         raise ValueError(f"{model.layers} layers cannot fill pp x virtual = {st.pp * st.virtual} stages")
     dp = gpus // (st.tp * st.pp)
+    if st.ep > 1 and (model.experts % st.ep or dp % st.ep):
+        raise ValueError(f"ep={st.ep} must divide the model's {model.experts} experts and the data-parallel size {dp}")
     seq = st.seq or model.seq
     gb = st.global_batch or dp * st.micro_batch
     if gb % (dp * st.micro_batch):
@@ -120,30 +126,46 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     one = cluster.collective_s("all_reduce", act_bytes, st.tp)
     tp_comm = per_layer * layers_here * m * one
 
+    # expert parallel: per MoE layer and micro-batch, an all-to-all to the experts and one back, in the
+    # forward and in the backward (and the forward's again under full recomputation)
+    ep_comm = 0.0
+    if st.ep > 1:
+        a2a_bytes = 2.0 * b * seq * h * model.top_k / (st.tp if st.sp else 1)
+        ep_comm = (per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, st.tp * st.pp))
+
     # pipeline bubble (1F1B, interleaved by `virtual`)
     bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
 
-    # data parallel: gradients of this stage's tensor-parallel shard
-    shard_params = model.params() / (st.tp * st.pp)
+    # data parallel: gradients of this stage's tensor-parallel shard; an expert's over the dp/ep
+    # ranks that hold it, the rest over all dp ranks
+    expert = model.layers * model.experts * model.expert_params() if model.experts > 1 else 0
+    dense_params = (model.params() - expert) / (st.tp * st.pp)
+    expert_params = expert / (st.tp * st.pp * st.ep)
+    shard_params = dense_params + expert_params
     grad_bytes = 2.0 * shard_params
     inner = st.tp * st.pp
-    if st.zero == 0:
-        dp_comm = cluster.collective_s("all_reduce", grad_bytes, dp, inner)
-    else:
-        dp_comm = (cluster.collective_s("reduce_scatter", grad_bytes, dp, inner)
-                   + cluster.collective_s("all_gather", grad_bytes, dp, inner) * (3 if st.zero == 3 else 1))
+    groups = [(2.0 * dense_params, dp, inner), (2.0 * expert_params, dp // st.ep, inner * st.ep)]
+
+    def reduce(nbytes, n, stride):
+        if st.zero == 0:
+            return cluster.collective_s("all_reduce", nbytes, n, stride)
+        return (cluster.collective_s("reduce_scatter", nbytes, n, stride)
+                + cluster.collective_s("all_gather", nbytes, n, stride) * (3 if st.zero == 3 else 1))
+
+    dp_comm = sum(reduce(nb, n, stride) for nb, n, stride in groups if nb > 0)
     dp_exposed = st.dp_exposed * dp_comm if m > 0 else dp_comm
 
     # optimizer: read/write fp32 master, two moments, read the gradient: ~28 bytes per parameter held
-    opt_params = shard_params / (dp if st.zero >= 1 else 1)
+    z = lambda stage, n: n if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
+    opt_params = dense_params / z(1, dp) + expert_params / z(1, dp // st.ep)
     optimizer = 28.0 * opt_params / acc.hbm_bw
 
-    step = compute + tp_comm + bubble + dp_exposed + optimizer
+    step = compute + tp_comm + ep_comm + bubble + dp_exposed + optimizer
 
     # memory per GPU
-    weights = 2.0 * shard_params / (dp if st.zero == 3 else 1)
-    grads = 2.0 * shard_params / (dp if st.zero >= 2 else 1)
-    optim = 12.0 * shard_params / (dp if st.zero >= 1 else 1)
+    weights = 2.0 * (dense_params / z(3, dp) + expert_params / z(3, dp // st.ep))
+    grads = 2.0 * (dense_params / z(2, dp) + expert_params / z(2, dp // st.ep))
+    optim = 12.0 * opt_params
     a = model.heads
     per_layer_act = {"none": seq * b * h * (34 + 5 * a * seq / h), "selective": 34.0 * seq * b * h,
                      "full": 2.0 * seq * b * h}[st.recompute]
@@ -176,7 +198,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"memory = 2·N' weights + 2·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
         f"= {g(total)} B",
     ]
+    if st.ep > 1:
+        formulas.insert(4, f"expert parallel = {per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
+                           f"{st.ep} ranks = {g(ep_comm)} s")
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
+                    ep_comm_s=ep_comm,
                     pp_bubble_s=bubble, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
                     tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
