@@ -82,12 +82,18 @@ def test_cli_plan_json(capsys):
 def test_predictions_hold_the_published_runs_within_10pct():
     # bench/results/2026-11-30-plan-validation.md: the efficiency curve is fitted on two runs (22B and
     # 175B with selective recomputation); the others are predicted blind
-    from shardwise.planner.validation import KORTHIKANTI, table
+    from shardwise.planner.validation import KORTHIKANTI, VTRAIN, table
 
-    rows = [r for r in table() if r["source"] == KORTHIKANTI]
-    assert len(rows) == 8 and sum(r["fitted"] for r in rows) == 2
-    for r in rows:
+    rows = table()
+    kor = [r for r in rows if r["source"] == KORTHIKANTI]
+    assert len(kor) == 8 and sum(r["fitted"] for r in rows) == 2
+    for r in kor:
         assert abs(r["error"]) <= 0.10, r
+    # vTrain's fastest configurations, blind: the three large models within 10% (the 3.6B one is 27%
+    # slow in the table: small models' non-matmul work is not in the efficiency curve)
+    vt = {r["run"].split()[0]: r for r in rows if r["source"] == VTRAIN}
+    for size in ("18.4B", "39.1B", "175B"):
+        assert abs(vt[size]["error"]) <= 0.10, vt[size]
 
 
 def test_cli_plan_validate(capsys):

@@ -124,6 +124,8 @@ NODES = {
     "dgx-h100": (H100, 8, NVLINK4, IB_NDR),
     "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
     "dgx-a100": (A100, 8, NVLINK3, IB_HDR),
+    # the A100 cluster of vTrain's measurements (its validation configs: 800 Gb/s per 8-GPU node)
+    "a100-800g": (A100, 8, NVLINK3, Level("800 Gb/s per node", 12.5e9, 14e-6)),
 }
 
 # TPUs (Cloud TPU documentation, jax-ml/scaling-book; shared/notes/cost-models.md §2): chip, one-way ICI

@@ -14,6 +14,8 @@ from .models import ModelSpec
 
 KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, " \
               "arXiv 2205.05198, Table 5 (A100 80GB, Selene)"
+VTRAIN = "vTrain (Bang et al., MICRO 2024), github.com/VIA-Research/vTrain data/ground_truth_multi.csv: " \
+         "Megatron-DeepSpeed on A100s, 800 Gb/s per 8-GPU node, full activation checkpointing"
 OURS_H200 = "shardwise bench, bench/results/2026-11-29-h200-llama1b-ws1.json (plain torch.compile row)"
 
 
@@ -49,6 +51,15 @@ RUNS: list[Run] = [
     *_tab5("175B, 64 GPUs, t=8 p=8", _megatron_gpt("gpt3-175b", 96, 12288, 96), 8, 8, 64, 1, 3, 18.13, 13.75, True),
     *_tab5("530B, 280 GPUs, t=8 p=35", _megatron_gpt("mt-nlg-530b", 105, 20480, 128), 35, 35, 280, 1, 3, 49.05, 37.83),
     *_tab5("1T, 512 GPUs, t=8 p=64", _megatron_gpt("megatron-1t", 128, 25600, 160), 64, 64, 512, 1, 1, 94.42, 71.49),
+    # vTrain's fastest measured configuration of each model size (global batch, micro-batch, t, d, p)
+    *[Run(f"{label} on {g} A100s, t={t} p={p} micro-batch {mb}, batch {gb}", _megatron_gpt(f"gpt-{label}", L, h, a),
+          f"a100-800g:{g // 8}", Strategy(tp=t, pp=p, zero=0, micro_batch=mb, global_batch=gb, recompute="full",
+                                          sp=False), ms / 1e3, VTRAIN)
+      for label, g, gb, mb, h, a, L, t, p, ms in [
+          ("3.6B", 64, 512, 8, 3072, 32, 30, 1, 1, 3566.5),
+          ("18.4B", 256, 1024, 8, 6144, 48, 40, 8, 1, 9603.6),
+          ("39.1B", 512, 1536, 2, 8192, 64, 48, 4, 4, 13875.5),
+          ("175B", 512, 1536, 2, 12288, 96, 96, 4, 32, 53909.6)]],
     Run("1.1B Llama, 1 H200, batch 4x2048, bf16, no recomputation (A100 curve: no H200 run fitted)",
         ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048), "h200:1",
         Strategy(zero=0, micro_batch=4, recompute="none"), 0.1257, OURS_H200),
