@@ -2,8 +2,10 @@
 
 The master shards and every per-parameter optimizer state (Adam's moments) live in host memory
 (pinned on CUDA). The optimizer step runs on the device, chunk by chunk: chunk i+1 is copied in on
-one stream while chunk i is updated on the compute stream and chunk i-1 is copied back on a third,
-so the PCIe link in both directions and the update overlap. Each chunk's update is the user's own
+one stream while chunk i is updated (on the update stream, or the compute stream without overlap)
+and chunk i-1 is copied back on a third, so the PCIe link in both directions and the update overlap.
+With overlap (CUDA) the step returns before the update ends and the next step's graph waits for
+each parameter where it first reads it (passes/ready.py). Each chunk's update is the user's own
 torch optimizer: its parameters' ``.data`` and state tensors are pointed at the device copies for
 the call, then back at the host buffers. After an update the compute-dtype shard the step graph
 reads is refreshed on the device, so the next step needs no host copy.
@@ -254,9 +256,9 @@ class StreamedOptimizer:
 
         Chunk ``i`` is copied into ring slot ``i % window`` on the host-to-device stream once the
         copy back of the chunk that used the slot before has finished (a device-side wait),
-        updated on the compute stream once it has arrived, and copied back on the device-to-host
-        stream once updated. The host never waits for the device, and nothing is allocated per
-        chunk but the update's own temporaries."""
+        updated on the update stream (the compute stream without overlap) once it has arrived, and
+        copied back on the device-to-host stream once updated. The host never waits for the device,
+        and nothing is allocated per chunk but the update's own temporaries."""
         nb = self.cuda
         counts: dict[str, torch.Tensor] = {}
         whole = {n: (p.data, self._state_tensors(p)) for n, p in self.params.items()}
@@ -302,7 +304,7 @@ class StreamedOptimizer:
                     self.h2d.wait_stream(main)
                 self.h2d.wait_stream(self.d2h)
             staged = {0: copy_in(0)} if self.chunks else {}
-            # the resident part updates in place on the compute stream while the first chunk is copied in
+            # the resident part updates in place while the first chunk is copied in
             for chunk in self.resident_chunks:
                 views = {}
                 for n, a, b in chunk:
