@@ -171,12 +171,6 @@ def compile(
     return job
 
 
-def _val_bytes(node) -> int:
-    from .costmodel.compute import _bytes
-
-    return _bytes(getattr(node, "meta", {}).get("val"))
-
-
 def _budget_bytes(budget, device: torch.device) -> int | None:
     """``memory_budget`` in bytes: an int is bytes; a float in (0, 1] a fraction of what the process
     may use — on CUDA the device memory times ``torch.cuda.set_per_process_memory_fraction``'s
@@ -396,8 +390,8 @@ class Job:
         left = budget - self._memory_slack - peak
         if st.overlap:
             # the next graph runs while the update still holds the gradients and its temporaries
-            grads = max((sum(_val_bytes(a) for a in prog.gm.graph.find_nodes(op="output")[0].args[0][1:])
-                         for (_, mode), (prog, _) in self._programs.items() if mode == "step"), default=0)
+            grads = max((self._liveness(prog).outputs for (_, mode), (prog, _) in self._programs.items()
+                         if mode == "step"), default=0)
             left -= grads + st.transient_bytes()
         keep = []
         for n in st.params:
@@ -478,11 +472,9 @@ class Job:
             loss = self._step(batch)
             self._drain()
             # reserved, not allocated: what the allocator's rounding and fragmentation cost counts too
-            v = torch.tensor([torch.cuda.max_memory_reserved(dev)], dtype=torch.float64)
-            if self.ws > 1:
-                dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.ctrl)
+            (peak,) = self._max_over_ranks(torch.cuda.max_memory_reserved(dev))
             self._residency_pending = False
-            self.residency_peak = int(v[0])
+            self.residency_peak = peak
             self._fit_residency(self.residency_peak)
             return loss
         if (self.memory_budget is not None and self.steps + 1 == self.replan_at
@@ -495,11 +487,15 @@ class Job:
             return loss
         return self._step(batch)
 
-    def _check_plan(self, predicted: int, measured: int) -> None:
-        v = torch.tensor([predicted, measured], dtype=torch.float64)
+    def _max_over_ranks(self, *values: int) -> list[int]:
+        """Each value's maximum over the ranks (a collective on the control group)."""
+        v = torch.tensor(values, dtype=torch.float64)
         if self.ws > 1:
             dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.ctrl)
-        predicted, measured = int(v[0]), int(v[1])
+        return [int(x) for x in v]
+
+    def _check_plan(self, predicted: int, measured: int) -> None:
+        predicted, measured = self._max_over_ranks(predicted, measured)
         if measured <= self.memory_budget and abs(measured - predicted) <= 0.10 * predicted:
             return
         self._memory_slack = max(0, measured - predicted)
@@ -663,13 +659,19 @@ class Job:
         tensors, _, _ = flatten_batch(batch)
         return self._memory(prog, tensors)
 
+    def _liveness(self, prog: Program):
+        """The simulated liveness of ``prog`` as this job executes it, computed once per program."""
+        from .costmodel import liveness
+
+        if getattr(prog, "_live", None) is None:
+            prog._live = liveness(prog.gm, fused=self.compile_mode == "inductor")
+        return prog._live
+
     def _memory(self, prog: Program, tensors) -> dict[str, int]:
-        from .costmodel import liveness, optimizer_transient
+        from .costmodel import optimizer_transient
 
         res = self.resident_bytes()
-        live = getattr(prog, "_liveness", None)
-        if live is None:  # the simulation, once per program
-            live = prog._liveness = liveness(prog.gm, fused=self.compile_mode == "inductor")
+        live = self._liveness(prog)
         on_dev = sum(t.numel() * t.element_size() for t in tensors if t.device == self.mesh.device)
         st = self.state.streamer
         after = live.outputs + (st.transient_bytes() if st is not None else optimizer_transient(self.optimizer))
@@ -730,12 +732,9 @@ class Job:
         if st is not None and st.overlap:
             # the next step's forward runs while this update finishes (passes/ready.py): a step is its
             # backward plus the longer of its forward and the update
-            seen, todo = set(), [prog.gm.graph.find_nodes(op="output")[0].args[0][0]]
-            while todo:  # the forward: everything the loss depends on
-                n = todo.pop()
-                if n.name not in seen:
-                    seen.add(n.name)
-                    todo.extend(n.all_input_nodes)
+            from .capture import forward_nodes
+
+            seen = {n.name for n in forward_nodes(prog.gm)}
             fwd = max((e for k, name, _, e in tl.events if k == "compute" and name in seen), default=0.0)
             step = (tl.step_s - fwd) + max(fwd, opt)
         return {"step_s": step, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
@@ -790,9 +789,9 @@ class Job:
                 f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
             )
             if mode != "eval":
-                from .capture.trace import saved_activations
+                from .passes.actoffload import candidates
 
-                saved = saved_activations(prog.gm)
+                saved = candidates(prog.gm)
                 big = ", ".join(f"{n.name} {tuple(n.meta['val'].shape)} {b / 2**20:.2f}" for n, b in saved[:6])
                 lines.append(f"  activations saved for the backward: {len(saved)}, "
                              f"{sum(b for _, b in saved) / 2**20:.2f} MiB (views counted with their source); "
@@ -816,12 +815,10 @@ class Job:
                 lines.append(f"  schedule: cap {prog.schedule['max_in_flight'] / 2**20:.2f} MiB in flight"
                              + (f", {ops} collective(s) at a time" if ops else ""))
             if mode == "step":
-                from .costmodel import liveness
-
                 opt = self._optimizer_s(dev)
                 lines.append(f"  predicted step {(tl.step_s + opt) * 1e3:.2f} ms = graph + optimizer {opt * 1e3:.2f} ms")
 
-                live = liveness(prog.gm, fused=self.compile_mode == "inductor")
+                live = self._liveness(prog)
                 res = self.resident_bytes()
                 lines.append(f"  memory: resident {sum(res.values()) / 2**20:.2f} MiB ("
                              + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res.items())

@@ -251,25 +251,6 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return seen
 
 
-def saved_activations(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
-    """Forward results the backward reads — what the step keeps from its forward into its backward —
-    with their bytes, largest first (views of one storage count once, at the node that made it)."""
-    from ..costmodel.compute import _bytes
-    from ..costmodel.memory import _aliases_input
-
-    fwd = forward_nodes(gm)
-    out = gm.graph.find_nodes(op="output")[0]
-    saved: dict[fx.Node, int] = {}
-    for n in gm.graph.nodes:
-        if n in fwd and n.op == "call_function" and any(u not in fwd and u is not out for u in n.users):
-            src = n
-            while src.op == "call_function" and _aliases_input(src) and src.all_input_nodes:
-                src = src.all_input_nodes[0]
-            if src.op == "call_function":  # a view of an input (a parameter) holds nothing of its own
-                saved[src] = _bytes(src.meta.get("val"))
-    return sorted(saved.items(), key=lambda nb: -nb[1])
-
-
 def elementwise(n: fx.Node) -> bool:
     """An ATen elementwise op (tagged pointwise, or a dtype cast): cheap to recompute, and what
     inductor fuses into its consumers."""

@@ -28,16 +28,9 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     if ctx.graph_budget is not None:
         if strategy == "zero3":
             return unshard.plan(cap, ctx, mode, lambda c: shard_step(cap, strategy, c, mode))
-        free = dataclasses.replace(ctx, graph_budget=None)
-        prog = shard_step(cap, strategy, free, mode)
-        if ctx.estimate(prog.gm)[1] > ctx.graph_budget and not ctx.recompute:
-            free = dataclasses.replace(free, recompute=True)
-            prog = shard_step(cap, strategy, free, mode)
-        peak = ctx.estimate(prog.gm)[1]
-        if peak > ctx.graph_budget:
-            prog, _ = unshard.offload_to_fit(lambda c: shard_step(cap, strategy, c, mode), free, prog, peak,
-                                             ctx.graph_budget, ctx.estimate)
-        unshard.check(prog, ctx)
+        _, prog, peak = unshard.fit(lambda c: shard_step(cap, strategy, c, mode),
+                                    dataclasses.replace(ctx, graph_budget=None), ctx.graph_budget)
+        prog.predicted_graph_peak = peak
         return prog
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
     if ctx.recompute:

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from ..capture.trace import forward_nodes
 from ..costmodel.compute import _bytes
+from ..runtime.actoffload import TO_DEVICE, TO_HOST
 from . import _emit
 
 
@@ -50,7 +51,7 @@ def candidates(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
     got = []
     for o, vs in _views(gm).items():
         if o not in fwd or not isinstance(o.meta.get("val"), torch.Tensor) or o.meta.get("sw") is not None \
-                or o.target in _OPS:
+                or o.target in (TO_HOST, TO_DEVICE):
             continue
         if any(u not in fwd and u is not out and u not in vs for x in (o, *vs) for u in x.users):
             got.append((o, _bytes(o.meta["val"])))
@@ -60,8 +61,6 @@ def candidates(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
 def apply(gm: fx.GraphModule, names, node_s: Callable[[fx.Node], float], fetch_s: Callable[[int], float]) -> list[str]:
     """Offload the saved values named in ``names``; returns the names offloaded. ``node_s`` predicts a
     node's time, ``fetch_s`` a copy back of so many bytes."""
-    from ..runtime.actoffload import TO_DEVICE, TO_HOST
-
     g = gm.graph
     fwd = forward_nodes(gm)
     out = g.find_nodes(op="output")[0]
@@ -112,11 +111,3 @@ def apply(gm: fx.GraphModule, names, node_s: Callable[[fx.Node], float], fetch_s
         gm.recompile()
     return done
 
-
-def _ops():
-    from ..runtime.actoffload import TO_DEVICE, TO_HOST
-
-    return (TO_HOST, TO_DEVICE)
-
-
-_OPS = _ops()

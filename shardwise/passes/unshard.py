@@ -34,13 +34,21 @@ def _too_big(peak: int, budget: int) -> BudgetError:
                        "to host memory")
 
 
-def offload_to_fit(build: Callable[[ShardContext], Program], ctx: ShardContext, prog: Program, peak: int,
-                   budget: int, estimate) -> tuple[Program, int]:
-    """Keep saved activations in host memory, largest first, until the predicted peak fits the
-    budget (built and re-checked after each batch that covers the remaining excess); BudgetError
-    when all of them are not enough."""
+def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
+        budget: int) -> tuple[ShardContext, Program, int]:
+    """The plan of ``ctx`` made to fit ``budget``: as it is if it fits; else with selective
+    recomputation (the activations it frees); else also keeping saved activations in host memory,
+    largest first, built and re-checked after each batch that covers the remaining excess;
+    BudgetError when all of them are not enough. Returns (the context that built it, the program,
+    its predicted peak)."""
     from . import actoffload
 
+    prog = build(ctx)
+    _, peak = ctx.estimate(prog.gm)
+    if peak > budget and not ctx.recompute:
+        ctx = dataclasses.replace(ctx, recompute=True)
+        prog = build(ctx)
+        _, peak = ctx.estimate(prog.gm)
     cands = [(n.name, b) for n, b in actoffload.candidates(prog.gm)]
     chosen: list[str] = []
     while peak > budget:
@@ -51,43 +59,21 @@ def offload_to_fit(build: Callable[[ShardContext], Program], ctx: ShardContext, 
             added += b
         if not added:
             raise _too_big(peak, budget)
-        prog = build(dataclasses.replace(ctx, offload_activations=frozenset(chosen)))
-        _, peak = estimate(prog.gm)
-    return prog, peak
-
-
-def check(prog: Program, ctx: ShardContext) -> None:
-    """Strategies without decisions to make: the program fits ``ctx.graph_budget`` or BudgetError."""
-    _, peak = ctx.estimate(prog.gm)
-    if peak > ctx.graph_budget:
-        raise _too_big(peak, ctx.graph_budget)
-    prog.predicted_graph_peak = peak
+        ctx = dataclasses.replace(ctx, offload_activations=frozenset(chosen))
+        prog = build(ctx)
+        _, peak = ctx.estimate(prog.gm)
+    return ctx, prog, peak
 
 
 def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardContext], Program]) -> Program:
     if ctx.estimate is None:
         raise ValueError("a memory budget needs ShardContext.estimate (the cost model)")
-    base_ctx = dataclasses.replace(ctx, graph_budget=None, keep_gathered=frozenset())
-    base = build(base_ctx)
-    _, peak = ctx.estimate(base.gm)
     budget = ctx.graph_budget
+    base_ctx, base, peak = fit(build, dataclasses.replace(ctx, graph_budget=None, keep_gathered=frozenset()),
+                               budget)
     if ctx.ws == 1:  # one rank gathers nothing: there is nothing to keep gathered
-        if peak > budget and not ctx.recompute:
-            base_ctx = dataclasses.replace(base_ctx, recompute=True)
-            base = build(base_ctx)
-            _, peak = ctx.estimate(base.gm)
-        if peak > budget:
-            base, peak = offload_to_fit(build, base_ctx, base, peak, budget, ctx.estimate)
         base.unsharded, base.predicted_graph_peak = [], peak
         return base
-    if peak > budget and not ctx.recompute:
-        # recomputing elementwise activations frees what they held; then unsharding may use the rest
-        base_ctx = dataclasses.replace(base_ctx, recompute=True)
-        base = build(base_ctx)
-        _, peak = ctx.estimate(base.gm)
-    if peak > budget:
-        base, peak = offload_to_fit(build, base_ctx, base, peak, budget, ctx.estimate)
-        base_ctx = dataclasses.replace(base_ctx, offload_activations=frozenset(base.offloaded or ()))
     headroom = budget - peak - ctx.reserve  # what other uses hold first (ShardContext.reserve)
     phs = cap.gm.graph.find_nodes(op="placeholder")[: cap.n_params]
     nbytes = {n: ph.meta["val"].numel() * ph.meta["val"].element_size() for n, ph in zip(cap.param_names, phs)}

@@ -93,13 +93,22 @@ class ClusterSpec:
             lv = self.levels(group, inner)
             return (group - 1) * max(lvl.alpha for _, lvl in lv) + (group - 1) / group * nbytes / min(
                 lvl.busbw for _, lvl in lv)
+        latency, bandwidth, _ = self.collective_parts(kind, nbytes, group, inner)
+        return latency + bandwidth
+
+    def collective_parts(self, kind: str, nbytes: float, group: int, inner: int = 1) -> tuple[float, float, float]:
+        """(latency s, bandwidth s, latency-bearing steps) of a reduce-scatter, all-gather or
+        all-reduce run level by level (an all-reduce is a reduce-scatter and an all-gather)."""
         f = 2.0 if kind == "all_reduce" else 1.0
-        t, s = 0.0, float(nbytes)
+        lat = bw = steps = 0.0
+        s = float(nbytes)
         for n, lvl in self.levels(group, inner):
             if n > 1:
-                t += f * ((n - 1) * lvl.alpha + (n - 1) / n * s / lvl.busbw)
+                lat += f * (n - 1) * lvl.alpha
+                bw += f * (n - 1) / n * s / lvl.busbw
+                steps += f * (n - 1)
             s /= n
-        return t
+        return lat, bw, steps
 
     def __str__(self) -> str:
         shape = " x ".join(str(n) for n, _ in self.dims)

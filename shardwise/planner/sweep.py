@@ -75,13 +75,10 @@ def latency(models=("llama3-8b", "llama3-70b", "llama3-405b"), gpus=(8, 64, 512,
             bwd = e.compute_s * 2 / 3  # the backward is two thirds of forward + backward
             nbytes = 2.0 * m.params()
             buckets = max(1.0, nbytes / (bucket_mb * 2**20))
-            # reduce-scatter + all-gather of every gradient, level by level: a bandwidth part and
-            # (k - 1) latency-bearing steps per level and bucket in each of the two
-            bw, steps, s = 0.0, 0.0, nbytes
-            for k, lvl in c.levels(n):
-                bw += 2 * (k - 1) / k * s / lvl.busbw
-                steps += 2 * (k - 1) * buckets
-                s /= k
+            # reduce-scatter + all-gather (one all-reduce's worth) of every gradient, level by level:
+            # a bandwidth part, and the latency-bearing steps of each bucket
+            _, bw, per_bucket = c.collective_parts("all_reduce", nbytes, n)
+            steps = per_bucket * buckets
             tol = (bwd - bw) / steps if steps else None
             rows.append({"model": name, "gpus": n, "backward_s": bwd, "comm_bandwidth_s": bw,
                          "tolerated_latency_us": tol * 1e6 if tol and tol > 0 else None})
