@@ -114,7 +114,20 @@ def _memory_kw(args) -> dict:
         raise SystemExit(f"--memory-budget must be positive, got {b}")
     budget = None if b is None else (int(b * 2**30) if b > 1 else float(b))
     return {"memory_budget": budget, "offload_optimizer": {None: False, "fit": True, "all": "all"}[args.offload_optimizer],
-            "recompute": args.recompute, "offload_activations": args.offload_activations}
+            "recompute": args.recompute, "offload_activations": args.offload_activations,
+            "offload_host_update": args.host_update}
+
+
+def _host_share(v: str):
+    if v == "auto":
+        return v
+    try:
+        f = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a share in [0, 1], got {v!r}") from None
+    if not 0 <= f <= 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a share in [0, 1], got {v!r}")
+    return f or False
 
 
 def _build_model(args, mesh, **overrides):
@@ -150,6 +163,10 @@ def _model_args(p) -> None:
     p.add_argument("--offload-optimizer", nargs="?", const="fit", choices=["fit", "all"], default=None,
                    help="zero3: master weights and optimizer state in host memory, streamed for the update; "
                         "'fit' (the default when given) keeps on the device the part that fits, 'all' none")
+    p.add_argument("--host-update", type=_host_share, default="auto", metavar="auto|0|SHARE",
+                   help="with --offload-optimizer: the share of the offloaded state updated on the host's cores "
+                        "(only gradients and weights cross the link); 'auto' (default): the cost model splits "
+                        "it on CUDA; 0: none")
     p.add_argument("--recompute", action="store_true",
                    help="recompute cheap elementwise activations in the backward instead of keeping them")
     p.add_argument("--offload-activations", action="store_true",
@@ -334,7 +351,7 @@ def train_main(args) -> None:
             parts = ([f"{_fmt_bytes(st.host_bytes())} on the host (streamed)"] if st.host_bytes() else []) + \
                 ([f"{_fmt_bytes(st.device_bytes())} on the device"] if st.device_bytes() else [])
             extra += "; optimizer state " + ", ".join(parts) + (
-                " (the first step's measured peak decides what stays on the device)" if job._residency_pending else "")
+                " (the first steps' measured peak decides what stays on the device)" if job._residency_pending else "")
         print(f"plan: predicted peak {_fmt_bytes(plan['peak'])} per rank{extra}", flush=True)
     peak, peak_step, first = None, None, None
     exposed, pred_ms = None, None

@@ -76,6 +76,7 @@ def compile(
     offload_optimizer: bool | str = False,
     offload_chunk_mb: float = 64,
     offload_overlap: bool = True,
+    offload_host_update: bool | float | str = "auto",
     recompute: bool = False,
     offload_activations: bool = False,
     link_profile=None,
@@ -105,6 +106,10 @@ def compile(
     each way per step); ``"all"`` keeps all of it on the host. On CUDA the update runs on its own
     streams and the next step starts before it ends, each parameter's first reader waiting for that
     parameter (passes/ready.py); ``offload_overlap=False`` makes each step wait for the whole update.
+    ``offload_host_update`` updates part of the offloaded state on the host's cores instead (Adam,
+    AdamW: only gradients and compute weights cross the link): ``"auto"`` (default) lets the cost
+    model split it on CUDA by the measured host update rate and host link (none on CPU, whose
+    "host" is the device); a number in (0, 1] forces that share of the offloaded bytes; False: none.
     ``recompute`` recomputes cheap elementwise activations in the backward instead of keeping them
     (passes/recompute.py); ``offload_activations`` keeps every activation the backward reads in host
     memory between forward and backward, copied out and back on a stream of their own
@@ -152,9 +157,16 @@ def compile(
         raise ValueError(f"offload_chunk_mb must be positive, got {offload_chunk_mb!r}")
     if offload_optimizer and strategy != "zero3":
         raise ValueError(f"offload_optimizer is built for zero3 so far, not {strategy}: use strategy='zero3'")
+    if offload_host_update is True:
+        offload_host_update = 1.0
+    if not (offload_host_update in ("auto", False) or (
+            isinstance(offload_host_update, (int, float)) and 0 < offload_host_update <= 1)):
+        raise ValueError(f"offload_host_update must be 'auto', False, True or a share in (0, 1] of the "
+                         f"offloaded state to update on the host, got {offload_host_update!r}")
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
               clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops, offload_optimizer,
               offload_chunk_mb, offload_overlap)
+    job.host_update = offload_host_update
     job.link_profile = link_profile
     job.memory_budget = _budget_bytes(memory_budget, mesh.device)
     if keep_gathered is not None:
@@ -260,7 +272,9 @@ class Job:
         self.time_optimizer = False  # set to time the optimizer phase of each step (syncs the GPU)
         self.last_optimizer_s: float | None = None
         self._node_times: dict[tuple, dict[str, float]] = {}
-        self._residency_pending = False  # offload on CUDA: the first step's measured peak decides
+        self.host_update: bool | float | str = "auto"  # offload: the share updated on the host (see compile)
+        # offload on CUDA: steps left to measure before the measured peak decides residency (0: none)
+        self._residency_pending = 0
         self.residency_peak: int | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -368,27 +382,50 @@ class Job:
         host pool is the same memory, the prediction decides (the same code path, for the tests)."""
         st = self.state.streamer
         budget = self._residency_budget()
-        if st is None or budget is None or self.offload_all:
+        if st is None:
+            return
+        if budget is None or self.offload_all:
+            self._plan_host()
             return
         self._drain()
         st.set_resident(())
         prog.resident_state = []
         if self.mesh.device.type == "cuda":
-            self._residency_pending = True
+            # with the update overlapped, the second step runs beside the first one's update: measure both
+            self._residency_pending = 2 if st.overlap else 1
             return
         self._fit_residency(self._memory(prog, tensors)["peak"], lambda: self._memory(prog, tensors)["peak"])
         prog.resident_state = sorted(st.resident)
 
-    def _fit_residency(self, peak: int, check: Callable[[], int] | None = None) -> None:
+    def _plan_host(self) -> None:
+        """Which offloaded parameters the host updates (``host_update``; runtime/offload.plan_host). The
+        host update rate is measured on every rank and the slowest counts, so every rank, holding
+        shards of the same shapes, makes the same split."""
+        st = self.state.streamer
+        if st is None or self.host_update is False:
+            return
+        if self.host_update != "auto":
+            st.plan_host(self.host_link(), fraction=float(self.host_update))
+        elif self.mesh.device.type == "cuda" and st.sliced:
+            if st.host_rate is None:
+                (per,) = self._max_over_ranks(int(1e15 / st.measure_host_rate()))  # fs per element
+                st.host_rate = 1e15 / per
+            st.plan_host(self.host_link(), rate=st.host_rate)
+        self.last_optimizer_s = None  # the update changed: measure it again
+    def _fit_residency(self, peak: int, check: Callable[[], int] | None = None, measured: bool = False) -> None:
         """Greedy over parameters in order: keep the state of each one that fits in the budget left
         above ``peak`` (the step's peak with nothing resident); with ``check`` (the predicted peak of
         the current choice), drop the last taken until it fits. Every rank holds shards of the same
-        shapes and gets the same ``peak``, so every rank makes the same choice."""
+        shapes and gets the same ``peak``, so every rank makes the same choice. A ``measured`` peak of
+        overlapped steps already holds what the running update keeps; a predicted one does not.
+
+        Keeping state resident only shortens the update, so the gradients it holds while the next step
+        runs can only be freed sooner: the peak measured with nothing resident bounds the rest."""
         st = self.state.streamer
         self._drain()  # the state moves: no update may be running
         budget = self._residency_budget()
         left = budget - self._memory_slack - peak
-        if st.overlap:
+        if st.overlap and not measured:
             # the next graph runs while the update still holds the gradients and its temporaries
             grads = max((self._liveness(prog).outputs for (_, mode), (prog, _) in self._programs.items()
                          if mode == "step"), default=0)
@@ -406,6 +443,7 @@ class Job:
         for (_, mode), (prog, _) in self._programs.items():
             if mode == "step":
                 prog.resident_state = sorted(keep)
+        self._plan_host()
 
     def _budgeted_ctx(self, tensors, train: bool) -> ShardContext:
         """The pass context, with the graph's share of ``memory_budget`` when one is set."""
@@ -464,18 +502,26 @@ class Job:
         measured peak (the maximum over ranks) is over the budget or more than 10% off, the plan is
         made again with the difference held back, the same on every rank (``job.replans``)."""
         if self._residency_pending:
-            # offload on CUDA: the first step runs with all optimizer state on the host; its measured
-            # peak sets how much of the state then stays on the device (see _plan_residency)
+            # offload on CUDA: the first step(s) run with all optimizer state on the host; their measured
+            # peak sets how much of the state then stays on the device (see _plan_residency). With the
+            # update overlapped that is two steps: the second runs beside the first one's update, so
+            # the measured peak holds the gradients and buffers the update keeps while the next step runs.
             dev = self.mesh.device
-            torch.cuda.empty_cache()  # the reserved peak then counts this step's own blocks
-            torch.cuda.reset_peak_memory_stats(dev)
+            if self.residency_peak is None:
+                torch.cuda.empty_cache()  # the reserved peak then counts these steps' own blocks
+                torch.cuda.reset_peak_memory_stats(dev)
+                self.residency_peak = 0
             loss = self._step(batch)
+            self._residency_pending -= 1
+            if self._residency_pending:
+                return loss
             self._drain()
             # reserved, not allocated: what the allocator's rounding and fragmentation cost counts too
             (peak,) = self._max_over_ranks(torch.cuda.max_memory_reserved(dev))
-            self._residency_pending = False
             self.residency_peak = peak
-            self._fit_residency(self.residency_peak)
+            self._fit_residency(peak, measured=True)
+            # the plan changed: a budgeted plan is checked on the step after
+            self.replan_at = max(self.replan_at, self.steps + 1)
             return loss
         if (self.memory_budget is not None and self.steps + 1 == self.replan_at
                 and not isinstance(batch, list)):
@@ -545,6 +591,7 @@ class Job:
         self.optimizer.zero_grad(set_to_none=True)
         self.last_comm_bytes += self.state.sync_full_from_master(self.group, self.ws)
         if self.time_optimizer:
+            self._drain()  # the update's streams and its host part
             self.last_optimizer_s = self._sync_clock() - t_opt
         self.last_step_s = time.perf_counter() - t0
         self.steps += 1
@@ -759,7 +806,7 @@ class Job:
         st = self.state.streamer
         if st is None:
             return update
-        return max(update, self.host_link().stream_time(st.step_bytes(), st.step_bytes()))
+        return max(update, st.update_time(self.host_link()))
 
     def profile_step(self, batch, trace: str | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Run one real step under torch.profiler: (loss, {step_s, comm_s, exposed_s, exposed_pct});
@@ -826,11 +873,17 @@ class Job:
                 st = self.state.streamer
                 if st is not None:
                     hl = self.host_link()
-                    moved = st.step_bytes()
-                    lines.append(f"  optimizer offload: {moved / 2**20:.2f} MiB on the host, moved each way per "
-                                 f"step (>= {hl.stream_time(moved, moved) * 1e3:.2f} ms over {hl}); "
+                    up, down = st.transfer_bytes()
+                    lines.append(f"  optimizer offload: {st.host_bytes() / 2**20:.2f} MiB on the host; per step "
+                                 f"{up / 2**20:.2f} MiB to the device, {down / 2**20:.2f} MiB back (>= "
+                                 f"{hl.stream_time(up, down) * 1e3:.2f} ms over {hl}); "
                                  f"{st.device_bytes() / 2**20:.2f} MiB kept on the device; {len(st.chunks)} "
                                  f"chunks, {st.window}-slot staging ring {st.staging_bytes() / 2**20:.2f} MiB")
+                    if st.host:
+                        rate = f"{st.host_rate / 1e9:.2f} G elements/s measured" if st.host_rate else "rate not measured"
+                        lines.append(f"  host update: {len(st.host)} parameters, {st.host_elements() / 1e6:.1f} M "
+                                     f"elements on the host's cores ({rate}); predicted update "
+                                     f"{st.update_time(hl) * 1e3:.2f} ms")
             lines.append(f"  {'collective':15s} {'phase':5s} {'sent/rank':>10s} {'pred µs':>9s}  param(s)")
             for n in prog.collective_nodes():
                 sw = n.meta["sw"]
@@ -847,7 +900,9 @@ class Job:
             if self.strategy == "zero3":
                 what.append("kept gathered fwd->bwd" if n in kept else "resharded after forward")
             if self.state.streamer is not None:
-                what.append("master+optimizer state on the device" if n in self.state.streamer.resident
+                st = self.state.streamer
+                what.append("master+optimizer state on the device" if n in st.resident
+                            else "master+optimizer state on host, updated on the host" if n in st.host
                             else "master+optimizer state on host, streamed")
             lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
         return "\n".join(lines)

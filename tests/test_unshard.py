@@ -103,6 +103,84 @@ def test_parity_with_part_of_the_optimizer_state_resident(pools):
           loss_tol=1e-10, param_tol=1e-10)
 
 
+# -- the host update (part of the offloaded state stepped on the host's cores) ----------------------
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_parity_with_part_of_the_update_on_the_host(pools, share):
+    check(pools, "llama", "zero3", "fp64", 2, steps=3, offload_optimizer=True, offload_chunk_mb=1 / 64,
+          offload_host_update=share, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_parity_with_resident_streamed_and_host_updated_state(pools):
+    budget, _ = _half_resident_budget(pools)
+    check(pools, "llama", "zero3", "fp64", 2, steps=3, offload_optimizer=True, offload_chunk_mb=1 / 64,
+          memory_budget=budget, offload_host_update=0.5, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_the_host_update_moves_only_gradients_and_weights():
+    import torch
+
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    res = {}
+    for share in (False, 0.5, 1.0):
+        job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                         offload_optimizer="all", offload_chunk_mb=1 / 64, offload_host_update=share,
+                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+        st = job.state.streamer
+        losses = []
+        for s in range(3):
+            before = st.bytes_moved
+            losses.append(float(job.step(make_batch("llama", s, 0))))
+        res[share] = (losses, job.full_state_dict(), st.bytes_moved - before, st, job.explain())
+    elems = sum(p.numel() for p in res[False][3].params.values())
+    # streamed: fp32 master and two moments in and out (24 B/element); on the host: bf16 gradient
+    # down and bf16 weights up (4 B/element)
+    assert res[False][2] == 24 * elems and not res[False][3].host
+    assert res[1.0][2] == 4 * elems and set(res[1.0][3].host) == set(res[1.0][3].params)
+    assert res[1.0][3].chunks == [] and "updated on the host" in res[1.0][4]
+    half = res[0.5][3]
+    assert 0 < len(half.host) < len(half.params) and res[1.0][2] < res[0.5][2] < res[False][2]
+    # the last parameters in forward order go to the host (the next forward reads them last)
+    order = list(half.params)
+    assert set(order[len(order) - len(half.host):]) == set(half.host)
+    for share in (0.5, 1.0):
+        # the same training: a fused host AdamW against the streamed one, equal to fp32 rounding
+        assert res[share][0] == res[False][0]
+        assert all(torch.allclose(res[share][1][k], res[False][1][k], rtol=1e-6, atol=1e-7) for k in res[False][1])
+
+
+def test_the_cost_model_splits_the_update_between_link_and_host():
+    import torch
+
+    import shardwise as sw
+    from harness import adamw, make_model
+    from shardwise.costmodel.hostlink import HostLink
+
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                     offload_optimizer="all", offload_host_update=False,
+                     mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+    st = job.state.streamer
+    elems = sum(p.numel() for p in st.params.values())
+    link = HostLink(1e9, 1e9, 2e9)
+    # a host far faster than the link takes everything; one far slower takes nothing
+    assert set(st.plan_host(link, rate=1e15)) == set(st.params)
+    assert st.plan_host(link, rate=1.0) == [] and not st.host
+    # comparable speeds: a split, no slower than either extreme
+    rate = elems / (24 * elems / 2e9)  # the host alone as fast as the link alone
+    st.plan_host(link, rate=rate)
+    both = st.update_time(link)
+    assert 0 < len(st.host) < len(st.params)
+    st.set_host(())
+    alone = st.update_time(link)
+    assert both < 0.75 * alone
+    # the prediction is max(link time of what crosses it, host elements / rate)
+    st.plan_host(link, rate=rate)
+    up, down = st.transfer_bytes()
+    assert st.update_time(link) == pytest.approx(max(link.stream_time(up, down), st.host_elements() / rate))
+
+
 def test_one_rank_offload_keeps_gradients_in_the_compute_dtype():
     import torch
 

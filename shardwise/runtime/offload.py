@@ -15,6 +15,14 @@ elementwise and whose state is created as zeros: the state is made up front in h
 sliced parameter's step count is advanced once per step, not once per slice), so the staging memory
 is ``window`` chunks whatever the largest parameter (a 128k-vocabulary embedding is 1.5 GB in fp32).
 
+Part of the offloaded state may be updated on the host instead (``set_host``, for Adam and AdamW):
+for those parameters only the gradient crosses the link down and the new compute-dtype weights come
+back up (4 bytes per element in bf16 instead of 24 of fp32 master and moments), and the host's
+cores run a fused AdamW on a worker thread while the device streams the rest. The cost model picks
+the split (``plan_host``: the larger of the link time and the host's measured update time, made
+as small as it gets). The worker takes the parameters in forward order and each one's weights are
+published as they arrive, so the next step's forward waits only for what it reads next.
+
 On CPU the "host" is a separate buffer pool and the copies are plain copies: the same code path
 runs (and is tested for parity) without streams.
 """
@@ -22,6 +30,8 @@ runs (and is tested for parity) without streams.
 from __future__ import annotations
 
 import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed
@@ -62,9 +72,17 @@ class StreamedOptimizer:
         if self.sliced:
             self._init_state()
         self.resident: frozenset[str] = frozenset()
+        self.host: frozenset[str] = frozenset()  # updated on the host (``set_host``)
         self.chunks: list[list[tuple]] = []
         self.resident_chunks: list[list[tuple]] = []
-        self.set_resident(resident)
+        self.host_rate: float | None = None  # elements/s of the host update, measured (``plan_host``)
+        self._host_opt: torch.optim.Optimizer | None = None
+        self._host_params: dict[str, torch.nn.Parameter] = {}
+        self._host_bufs: dict[str, dict[str, torch.Tensor]] = {}
+        self._host_sent: dict[str, object] = {}  # name -> event of its last weights' copy to the device
+        self._host_job: Future | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self.grad_dtype: torch.dtype | None = None  # seen at the first step
         # CUDA: the update runs on its own stream and the step returns without waiting for it; the
         # next step's graph waits per parameter (passes/ready.py) via works registered on the
         # compute shards, so its first layers start while the last are still being updated
@@ -72,7 +90,9 @@ class StreamedOptimizer:
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
             self.upd = torch.cuda.Stream(device) if self.overlap else None
+            self.hs = torch.cuda.Stream(device)  # the host update's gradients down and weights up
         self.bytes_moved = 0
+        self.set_resident(resident)
 
     @torch.no_grad()
     def _init_state(self) -> None:
@@ -129,6 +149,9 @@ class StreamedOptimizer:
         unknown = names - set(self.params)
         if unknown:
             raise ValueError(f"set_resident: not parameters of this optimizer: {sorted(unknown)[:5]}")
+        self.drain()
+        if self.host & names:
+            self.set_host(self.host - names)
         for n, p in self.params.items():
             if (n in names) == (n in self.resident):
                 continue
@@ -138,8 +161,220 @@ class StreamedOptimizer:
                 st[k] = self._to_host(v).copy_(v) if to_host else v.to(self.device)
             p.data = self._to_host(p.data).copy_(p.data) if to_host else p.data.to(self.device)
         self.resident = names
-        self.chunks = self._chunked([n for n in self.params if n not in names])
+        self.chunks = self._chunked(self.streamed())
         self.resident_chunks = self._chunked([n for n in self.params if n in names])
+
+    def streamed(self) -> list[str]:
+        """Parameters whose master and state stream through the device for the update."""
+        return [n for n in self.params if n not in self.resident and n not in self.host]
+
+    # -- the host update ------------------------------------------------------------------------
+
+    def set_host(self, names) -> None:
+        """Update the master and state of ``names`` (offloaded, not resident) on the host: a fused
+        AdamW on a worker thread; only gradients and compute-dtype weights cross the link."""
+        names = frozenset(names)
+        bad = names - set(self.params)
+        if bad or names & self.resident:
+            raise ValueError(f"set_host: not offloaded parameters of this optimizer: {sorted(bad | (names & self.resident))[:5]}")
+        if names and not self.sliced:
+            raise ValueError(f"the host update is built for Adam and AdamW (state made up front), not "
+                             f"{type(self.opt).__name__}: use offload_host_update=False")
+        self.drain()
+        self.host = names
+        self.chunks = self._chunked(self.streamed())
+        self._host_bufs = {n: b for n, b in self._host_bufs.items() if n in names}
+        self._host_sent = {}
+        self._host_opt = self._host_optimizer(names) if names else None
+        if names and self._worker is None:
+            dev = self.device
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-host-update",
+                                              initializer=(lambda: torch.cuda.set_device(dev)) if self.cuda else None)
+
+    def _host_optimizer(self, names) -> torch.optim.Optimizer:
+        """An optimizer of the user's class and hyperparameters over parameters that share storage
+        with the host masters of ``names`` and the very same state dicts (what it updates is the
+        user's optimizer state). Fused where the masters are fp32/fp64 (CPU fused AdamW: one pass)."""
+        by_id = {id(p): n for n, p in self.params.items()}
+        groups, self._host_params = [], {}
+        fused = all(self.params[n].dtype in (torch.float32, torch.float64) for n in names)
+        for g in self.opt.param_groups:
+            ps = []
+            for p in g["params"]:
+                n = by_id.get(id(p))
+                if n in names:
+                    hp = self._host_params[n] = torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
+                    ps.append(hp)
+            if ps:
+                grp = {k: v for k, v in g.items() if k != "params"}
+                if fused:
+                    grp.update(fused=True, foreach=False)
+                groups.append({**grp, "params": ps})
+        opt = type(self.opt)(groups)
+        for n, hp in self._host_params.items():
+            opt.state[hp] = self.opt.state[self.params[n]]  # the same dict: one optimizer state
+        return opt
+
+    def _bufs(self, n: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Host buffers of one host-updated parameter, made once: the gradient as it arrives, in the
+        master dtype, and the new weights in the compute dtype."""
+        b = self._host_bufs.get(n)
+        master = self.params[n]
+        if b is None or b["grad"].dtype != grad.dtype:
+            b = {"grad": torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)}
+            if grad.dtype != master.dtype:
+                b["grad32"] = torch.empty(master.shape, dtype=master.dtype)
+            c = self.compute.get(n)
+            if c is not None and self.cuda:
+                b["out"] = torch.empty(c.shape, dtype=c.dtype, pin_memory=True)
+            self._host_bufs[n] = b
+        return b
+
+    @torch.no_grad()
+    def _host_update(self, arrived: dict, published: dict[str, Future]) -> None:
+        """Worker thread: step each host parameter once its gradient is home, then send its compute
+        weights to the device (``published[name]`` gets the copy's event)."""
+        try:
+            for n, ev in arrived.items():
+                hp, b = self._host_params[n], self._host_bufs[n]
+                if self.cuda:
+                    ev.synchronize()
+                g = b["grad"].view(hp.shape)
+                if "grad32" in b:
+                    g = b["grad32"].copy_(g)
+                hp.grad = g
+                self._host_opt.step()
+                hp.grad = None
+                c = self.compute.get(n)
+                sent = None
+                if c is not None:
+                    self.bytes_moved += c.numel() * c.element_size()
+                if c is not None and self.cuda:
+                    out = b["out"]
+                    if n in self._host_sent:
+                        self._host_sent[n].synchronize()  # the last step's copy has left the buffer
+                    out.copy_(hp.data.view(out.shape))
+                    with torch.cuda.stream(self.hs):
+                        c.copy_(out, non_blocking=True)
+                        sent = torch.cuda.Event()
+                        sent.record()
+                    self._host_sent[n] = sent
+                elif c is not None:
+                    c.copy_(hp.data)
+                if n in published:
+                    published[n].set_result(sent)
+        except BaseException as e:
+            for f in published.values():
+                if not f.done():
+                    f.set_exception(e)
+            raise
+
+    def _start_host(self, grads: dict[str, torch.Tensor], main) -> dict[str, Future]:
+        """Send the host parameters' gradients down (in forward order, on their own stream, after the
+        step's graph) and start the worker; returns each parameter's future copy-up event."""
+        arrived, published = {}, {}
+        if self.cuda:
+            self.hs.wait_stream(main)
+        for n in self.params:
+            g = grads.get(n)
+            if n not in self.host or g is None:
+                continue
+            b = self._bufs(n, g)
+            self.bytes_moved += g.numel() * g.element_size()
+            with self._stream(self.hs if self.cuda else None):
+                b["grad"].copy_(g, non_blocking=self.cuda)
+                ev = None
+                if self.cuda:
+                    g.record_stream(self.hs)
+                    ev = torch.cuda.Event()
+                    ev.record()
+            arrived[n] = ev
+            published[n] = Future()
+        self._host_job = self._worker.submit(self._host_update, arrived, published)
+        return published
+
+    def _join_host(self) -> None:
+        """Wait (host) for the host update; its errors surface here."""
+        job, self._host_job = self._host_job, None
+        if job is not None:
+            job.result()
+
+    @torch.no_grad()
+    def measure_host_rate(self, numel: int = 1 << 24, iters: int = 3) -> float:
+        """Elements/s of the host update on this machine: the gradient's cast to the master dtype, a
+        step of the host optimizer's kind and the cast of the new weights, on scratch tensors."""
+        name = next(iter(self.params))
+        master = self.params[name]
+        gd = self.grad_dtype or (self.compute[name].dtype if name in self.compute else master.dtype)
+        cd = self.compute[name].dtype if name in self.compute else master.dtype
+        p = torch.nn.Parameter(torch.zeros(numel, dtype=master.dtype))
+        g = torch.ones(numel, dtype=gd, pin_memory=self.cuda)
+        out = torch.empty(numel, dtype=cd, pin_memory=self.cuda)
+        grp = {k: v for k, v in self.opt.param_groups[0].items() if k != "params"}
+        if master.dtype in (torch.float32, torch.float64):
+            grp.update(fused=True, foreach=False)
+        opt = type(self.opt)([{**grp, "params": [p]}])
+        p.grad = torch.empty(numel, dtype=master.dtype)
+        ts = []
+        for _ in range(iters + 1):
+            t0 = time.perf_counter()
+            p.grad.copy_(g)
+            opt.step()
+            out.copy_(p)
+            ts.append(time.perf_counter() - t0)
+        return numel / sorted(ts[1:])[len(ts[1:]) // 2]
+
+    def transfer_bytes(self) -> tuple[int, int]:
+        """Bytes each step moves (to the device, back): the streamed master and state both ways;
+        for host-updated parameters the new compute weights up and the gradients down."""
+        streamed = sum(self.param_bytes(n) for n in self.streamed())
+        up = sum(self.compute[n].numel() * self.compute[n].element_size() for n in self.host if n in self.compute)
+        gsize = (torch.empty((), dtype=self.grad_dtype).element_size() if self.grad_dtype is not None else None)
+        down = sum(self.params[n].numel() * (gsize or (self.compute[n].element_size() if n in self.compute
+                                                        else self.params[n].element_size())) for n in self.host)
+        return streamed + up, streamed + down
+
+    def host_elements(self) -> int:
+        return sum(self.params[n].numel() for n in self.host)
+
+    def update_time(self, link) -> float:
+        """Predicted seconds of the update's data movement and host work: the link moving
+        ``transfer_bytes`` (both directions overlapped) and the host stepping its part, side by side."""
+        host = self.host_elements() / self.host_rate if self.host and self.host_rate else 0.0
+        return max(link.stream_time(*self.transfer_bytes()), host)
+
+    def plan_host(self, link, rate: float | None = None, fraction: float | None = None) -> list[str]:
+        """Choose the host-updated parameters among the offloaded, last in forward order first (the
+        next forward reads them last). ``fraction``: that share of the offloaded state's bytes.
+        Otherwise the cost model: take a parameter while it makes ``update_time`` smaller (the link
+        time falls by what no longer streams, the host time grows by its elements / ``rate``)."""
+        if not self.sliced:
+            self.set_host(())
+            return []
+        self.set_host(())
+        cands = [n for n in self.params if n not in self.resident][::-1]
+        if fraction is not None:
+            total = sum(self.param_bytes(n) for n in cands)
+            take, acc = [], 0
+            for n in cands:
+                if acc >= fraction * total:
+                    break
+                take.append(n)
+                acc += self.param_bytes(n)
+            self.set_host(take)
+            return take
+        self.host_rate = rate if rate is not None else (self.host_rate or self.measure_host_rate())
+        take: list[str] = []
+        best = self.update_time(link)
+        for n in cands:
+            self.host = frozenset(take + [n])
+            t = self.update_time(link)
+            if t < best:
+                best = t
+                take.append(n)
+        self.host = frozenset()
+        self.set_host(take)
+        return take
 
     def _stream(self, s):
         return torch.cuda.stream(s) if self.cuda else contextlib.nullcontext()
@@ -190,14 +425,10 @@ class StreamedOptimizer:
         and the foreach optimizer's two per-parameter temporaries."""
         return 3 * max([self._chunk_bytes(c) for c in self.chunks + self.resident_chunks] or [0])
 
-    def step_bytes(self) -> int:
-        """Bytes each step moves to the device (and the same back)."""
-        return self.host_bytes()
-
     def _update(self, chunk, grads, views, counts) -> None:
         """Step the optimizer on ``chunk``'s units only. ``views[name]`` = (parameter data, {state key:
         tensor}) to use for the unit: device slices, copied in or (resident) views of the whole."""
-        for p in self.params.values():
+        for n, p in self.params.items():
             p.grad = None
         for n, a, b in chunk:
             p = self.params[n]
@@ -260,18 +491,24 @@ class StreamedOptimizer:
         copied back on the device-to-host stream once updated. The host never waits for the device,
         and nothing is allocated per chunk but the update's own temporaries."""
         nb = self.cuda
+        self._join_host()  # the last step's host update (the graph that just ran read its weights)
+        if self.grad_dtype is None and grads:
+            self.grad_dtype = next(iter(grads.values())).dtype
         counts: dict[str, torch.Tensor] = {}
-        whole = {n: (p.data, self._state_tensors(p)) for n, p in self.params.items()}
+        whole = {n: (p.data, self._state_tensors(p)) for n, p in self.params.items() if n not in self.host}
         roles = ["param"] + sorted({k for _, st in whole.values() for k in st})
         ring = self._slots(roles) if self.chunks else []
         copied_back: dict[int, object] = {}
         ready: dict[str, object] = {}  # name -> event after its last update (overlap)
         main = torch.cuda.current_stream(self.device) if self.cuda else None
         cur = self.upd if self.overlap else main  # the stream the update runs on
+        # the host part first: its gradients go down ahead of the streamed chunks' traffic
+        published = self._start_host(grads, main) if self.host else {}
         if self.overlap:
             cur.wait_stream(main)  # the gradients exist and the step's graph is done with the shards
-            for g in grads.values():
-                g.record_stream(cur)  # the compute stream must not reuse them before the update read them
+            for n, g in grads.items():
+                if n not in self.host:
+                    g.record_stream(cur)  # the compute stream must not reuse them before the update read them
 
         def copy_in(i):
             slot = ring[i % len(ring)]
@@ -355,8 +592,8 @@ class StreamedOptimizer:
                         copied_back[i] = back
         finally:
             # the optimizer's parameters and state point at the whole tensors again
-            for n, p in self.params.items():
-                data, states = whole[n]
+            for n, (data, states) in whole.items():
+                p = self.params[n]
                 p.data = data
                 p.grad = None
                 st = self.opt.state.get(p)
@@ -370,7 +607,15 @@ class StreamedOptimizer:
                 c = self.compute.get(n)
                 if c is not None:
                     _register_work(c, _Ready(ev))
-        elif self.cuda:
+            for n, fut in published.items():
+                c = self.compute.get(n)
+                if c is not None:
+                    _register_work(c, _HostReady(fut))
+            return
+        self._join_host()
+        if self.host and self.cuda:
+            main.wait_stream(self.hs)  # the host part's weights are on the device
+        if self.cuda:
             # the next step's graph reads the refreshed compute shards (written on the compute
             # stream); it must not start before the slots are free again either (next step's ring)
             main.wait_stream(self.d2h)
@@ -378,7 +623,9 @@ class StreamedOptimizer:
     def drain(self) -> None:
         """Wait (host) for the update and its copies back: before reading state outside a step. The
         readiness works left on the compute shards are taken off (their events have passed)."""
+        self._join_host()
         if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.hs)
             if self.upd is not None:
                 self.upd.synchronize()
             self.d2h.synchronize()
@@ -397,4 +644,19 @@ class _Ready(torch.distributed.Work):
 
     def wait(self, timeout=None) -> bool:
         torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+
+class _HostReady(torch.distributed.Work):
+    """A work whose ``wait`` blocks the host until the host update has sent one parameter's weights,
+    then makes the current stream wait for that copy."""
+
+    def __init__(self, published: Future):
+        super().__init__()
+        self.published = published
+
+    def wait(self, timeout=None) -> bool:
+        ev = self.published.result()
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
         return True
