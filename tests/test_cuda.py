@@ -54,7 +54,7 @@ def test_cuda_offload_streams_match_device_state():
     for offload in (False, "all"):
         job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
                          mesh=sw.mesh(dp=1, device="cuda"), offload_optimizer=offload, offload_chunk_mb=1 / 64,
-                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+                         offload_host_update=False, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
         losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
         res.append((losses, job.full_state_dict()))
         if offload:
@@ -73,7 +73,7 @@ def test_cuda_offload_keeps_on_the_device_what_the_first_step_leaves_room_for():
 
     def run(**kw):
         job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
-                         mesh=sw.mesh(dp=1, device="cuda"), offload_chunk_mb=1 / 64,
+                         mesh=sw.mesh(dp=1, device="cuda"), offload_chunk_mb=1 / 64, offload_host_update=False,
                          mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), **kw)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -93,22 +93,28 @@ def test_cuda_offload_keeps_on_the_device_what_the_first_step_leaves_room_for():
 
 
 @needs_cuda
-def test_cuda_activation_offload_matches_keeping_them():
-    # saved activations copied to pinned host memory and back on their own stream, under inductor:
-    # bit-identical to keeping them on the GPU
+@pytest.mark.parametrize("executor", ["fx", "inductor"])
+def test_cuda_activation_offload_matches_keeping_them(executor):
+    # saved activations copied to pinned host memory and back on their own streams: bit-identical to
+    # keeping them on the GPU under the FX executor; under inductor the copies end fusions (a value
+    # kept in fp32 inside one kernel is then stored in bf16), so equal to bf16 rounding
     import shardwise as sw
     from harness import adamw, make_batch, make_model
 
     res = []
     for off in (False, True):
         job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
-                         mesh=sw.mesh(dp=1, device="cuda"), compile="inductor", offload_activations=off,
+                         mesh=sw.mesh(dp=1, device="cuda"), compile=executor, offload_activations=off,
                          mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
         losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
         res.append((losses, job.full_state_dict()))
         assert bool(job.programs()[0].offloaded) == off
-    assert res[0][0] == res[1][0]
-    assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+    if executor == "fx":
+        assert res[0][0] == res[1][0]
+        assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+    else:
+        assert res[1][0] == pytest.approx(res[0][0], rel=1e-3)
+        assert all(torch.allclose(res[0][1][k], res[1][1][k], rtol=1e-3, atol=1e-4) for k in res[0][1])
 
 
 @needs_cuda

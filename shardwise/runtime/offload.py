@@ -186,6 +186,12 @@ class StreamedOptimizer:
         self._host_bufs = {n: b for n, b in self._host_bufs.items() if n in names}
         self._host_sent = {}
         self._host_opt = self._host_optimizer(names) if names else None
+        for n in sorted(names - set(self._host_bufs), key=list(self.params).index):
+            # pinned buffers are slow to make (page locking): made with the plan, not in a step
+            c = self.compute.get(n)
+            like = torch.empty(self.params[n].shape, device="meta",
+                               dtype=self.grad_dtype or (c.dtype if c is not None else self.params[n].dtype))
+            self._bufs(n, like)
         if names and self._worker is None:
             dev = self.device
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-host-update",
@@ -223,7 +229,7 @@ class StreamedOptimizer:
         if b is None or b["grad"].dtype != grad.dtype:
             b = {"grad": torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)}
             if grad.dtype != master.dtype:
-                b["grad32"] = torch.empty(master.shape, dtype=master.dtype)
+                b["grad32"] = torch.zeros(master.shape, dtype=master.dtype)  # pages touched now
             c = self.compute.get(n)
             if c is not None and self.cuda:
                 b["out"] = torch.empty(c.shape, dtype=c.dtype, pin_memory=True)
