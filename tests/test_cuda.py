@@ -113,8 +113,12 @@ def test_cuda_activation_offload_matches_keeping_them(executor):
         assert res[0][0] == res[1][0]
         assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
     else:
+        # Adam turns a rounding difference in a near-zero gradient into a step of about lr on that
+        # element: compare the weights by the norm of their difference, not element by element
         assert res[1][0] == pytest.approx(res[0][0], rel=1e-3)
-        assert all(torch.allclose(res[0][1][k], res[1][1][k], rtol=1e-3, atol=1e-4) for k in res[0][1])
+        for k in res[0][1]:
+            a, b = res[0][1][k].double(), res[1][1][k].double()
+            assert (a - b).norm() <= 1e-2 * a.norm() + 1e-6, k
 
 
 @needs_cuda

@@ -105,9 +105,9 @@ def test_parity_with_part_of_the_optimizer_state_resident(pools):
 
 # -- the host update (part of the offloaded state stepped on the host's cores) ----------------------
 
-@pytest.mark.parametrize("share", [0.5, 1.0])
-def test_parity_with_part_of_the_update_on_the_host(pools, share):
-    check(pools, "llama", "zero3", "fp64", 2, steps=3, offload_optimizer=True, offload_chunk_mb=1 / 64,
+@pytest.mark.parametrize("ws,share", [(2, 0.5), (2, 1.0), (4, 0.5)])
+def test_parity_with_part_of_the_update_on_the_host(pools, ws, share):
+    check(pools, "llama", "zero3", "fp64", ws, steps=3, offload_optimizer=True, offload_chunk_mb=1 / 64,
           offload_host_update=share, loss_tol=1e-10, param_tol=1e-10)
 
 
