@@ -458,9 +458,11 @@ def plan_main(args) -> None:
     from shardwise.planner.models import model
 
     if args.validate:
-        from shardwise.planner.validation import markdown, table
+        from shardwise.planner.validation import markdown, memory_markdown, memory_table, table
 
         print(markdown(table()))
+        print()
+        print(memory_markdown(memory_table()))
         return
     if args.sweep in ("grad-sync", "latency"):
         from shardwise.planner import sweep

@@ -17,9 +17,11 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 
 Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 bytes per parameter,
 the ZeRO paper's mixed-precision figure), divided as the ZeRO stage says; activations per layer
-per Korthikanti et al. 2022 (``s·b·h·(34 + 5·a·s/h)`` bytes with no recomputation, 34·s·b·h with
-selective, 2·s·b·h with full; divided by ``tp`` with sequence parallelism), times the micro-batches
-in flight on the first stage (1F1B: ``pp``).
+per Korthikanti et al. 2022, term by term (models.ModelSpec.layer_activation_bytes: their
+``s·b·h·(34 + 5·a·s/h)`` for Megatron's GPT with the attention scores kept, 34·s·b·h without them,
+2·s·b·h under full recomputation; divided by ``tp`` with sequence parallelism), times the
+micro-batches in flight on the first stage (1F1B: ``pp``), plus the fp32 logits of the loss
+(4·s·b·v/t) where one stage holds the whole model.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Strategy:
     per-GPU matrix width (clusters.Accelerator.efficiency)."""
     dp_exposed: float = 0.1
     """Share of the data-parallel communication not hidden behind the backward."""
+    fused_attention: bool = True
+    """Flash-style attention: the s x s scores are not kept for the backward (Megatron's 2022 runs
+    kept them unless recomputed)."""
 
     def __post_init__(self):
         if self.recompute not in ("none", "selective", "full"):
@@ -166,15 +171,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     weights = 2.0 * (dense_params / z(3, dp) + expert_params / z(3, dp // st.ep))
     grads = 2.0 * (dense_params / z(2, dp) + expert_params / z(2, dp // st.ep))
     optim = 12.0 * opt_params
-    a = model.heads
-    per_layer_act = {"none": seq * b * h * (34 + 5 * a * seq / h), "selective": 34.0 * seq * b * h,
-                     "full": 2.0 * seq * b * h}[st.recompute]
-    if st.sp or st.recompute == "full":
-        per_layer_act /= st.tp
+    per_layer_act = model.layer_activation_bytes(seq, b, st.tp, st.sp, st.recompute, st.fused_attention)
     in_flight = min(st.pp, m) if st.pp > 1 else 1
     activations = per_layer_act * layers_here * in_flight
     if st.recompute == "full":  # one layer's working set is rebuilt at a time
-        activations += seq * b * h * (34 + 5 * a * seq / h) / (st.tp if st.sp else 1)
+        activations += model.layer_activation_bytes(seq, b, st.tp, st.sp, "none", st.fused_attention)
+    logits = 4.0 * seq * b * model.vocab / st.tp if st.pp == 1 else 0.0
+    activations += logits
     total = weights + grads + optim + activations
     mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": activations, "total": total}
 
@@ -192,9 +195,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed {st.dp_exposed:.0%} = {g(dp_exposed)} s",
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
-        f"activations/layer = {'s·b·d·(34 + 5·a·s/d)' if st.recompute == 'none' else '34·s·b·d' if st.recompute == 'selective' else '2·s·b·d'}"
-        f"{'/tp' if st.sp or st.recompute == 'full' else ''} = {g(per_layer_act)} B x {layers_here} layers x "
-        f"{in_flight} in flight",
+        f"activations/layer = {'2·s·b·d/tp' if st.recompute == 'full' else ('(' if st.sp else '') + ('10' if model.dropout else '8') + '·s·b·d' + (')/tp + ' if st.sp else ' + ') + '(4·s·b·d + 4·s·b·kv + ' + ('6' if model.gated else '4') + '·s·b·ffn' + (' + 5·a·s²·b' if st.recompute == 'none' and not st.fused_attention else '') + ')/tp'}"
+        f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
+        + (f" + logits 4·s·b·v/tp = {g(logits)} B" if logits else ""),
         f"memory = 2·N' weights + 2·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
         f"= {g(total)} B",
     ]

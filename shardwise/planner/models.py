@@ -27,6 +27,8 @@ class ModelSpec:
     bias: bool = False
     learned_positions: int = 0
     """Rows of a learned position embedding (GPT-3), 0 for rotary."""
+    dropout: bool = False
+    """Dropout after attention and MLP (GPT-3, Megatron's GPT): its masks are kept for the backward."""
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +72,30 @@ class ModelSpec:
         matmul = self.layers * (self.layer_params(True) - 2 * self.hidden) + self.vocab * self.hidden
         return 6.0 * matmul + 12.0 * self.layers * self.hidden * seq
 
+    def layer_activation_bytes(self, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
+                               recompute: str = "none", fused_attention: bool = True) -> float:
+        """Bytes one layer keeps for its backward per micro-batch (16-bit activations, 1-byte dropout
+        masks): Korthikanti et al. 2022's accounting (section 4, Table 2), term by term, so that it
+        also holds for gated MLPs, grouped-query attention and models without dropout. Kept whole on
+        every tensor-parallel rank unless sequence parallel: the two norm inputs and the inputs of the
+        QKV and first MLP matmuls (8·sbh) and the dropout masks (2·sbh). Split over ``tp``: Q (2·sbh),
+        K and V (2·sb·kv each), the attention output (2·sbh) and the MLP's inner activations (GeLU:
+        its input and output, 4·sb·ffn; gated: gate, up and their product, 6·sb·ffn; MoE: per routed
+        expert). The attention scores (5·a·s²·b) only when the attention is not fused (flash
+        attention recomputes them) and not recomputed (``selective``). For Megatron's GPT (ffn = 4h,
+        kv = h, dropout) this is the paper's ``sbh·(10 + 24/t + 5as/(ht))``. Full recomputation keeps
+        the layer's input alone (2·sbh/t)."""
+        sb = seq * micro_batch
+        sbh = sb * self.hidden
+        if recompute == "full":
+            return 2.0 * sbh / tp
+        kv = self.kv_heads * self.head_dim
+        whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
+        split = 4.0 * sbh + 4.0 * sb * kv + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k
+        if recompute == "none" and not fused_attention:
+            split += 5.0 * self.heads * seq * sb
+        return (whole + split) / tp if sp else whole + split / tp
+
     def __str__(self) -> str:
         moe = f", {self.experts} experts top-{self.top_k}" if self.experts > 1 else ""
         return (f"{self.name}: {self.params() / 1e9:.1f}B params ({self.layers} layers, d={self.hidden}, "
@@ -85,7 +111,7 @@ MODELS = {
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, seq=4096, experts=8, top_k=2),
     # GPT-3 175B (Brown et al. 2020): GELU MLP, biases, learned positions, tied embedding
     "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 50257, seq=2048, gated=False, tied=True,
-                           bias=True, learned_positions=2048),
+                           bias=True, learned_positions=2048, dropout=True),
 }
 
 

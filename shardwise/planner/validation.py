@@ -22,7 +22,7 @@ OURS_H200 = "shardwise bench, bench/results/2026-11-29-h200-llama1b-ws1.json (pl
 def _megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
     # Megatron's GPT: vocabulary 51,200, sequence 2048, GELU MLP of 4h, biases, learned positions, tied head
     return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, 51200, seq=2048, gated=False, tied=True,
-                     bias=True, learned_positions=2048)
+                     bias=True, learned_positions=2048, dropout=True)
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,49 @@ RUNS: list[Run] = [
         ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048), "h200:1",
         Strategy(zero=0, micro_batch=4, recompute="none"), 0.1257, OURS_H200),
 ]
+
+
+@dataclass(frozen=True)
+class MemoryRun:
+    label: str
+    model: ModelSpec
+    cluster: str
+    strategy: Strategy
+    measured_gb: float
+    """Peak ``torch.cuda.max_memory_allocated`` per GPU, 1e9 bytes."""
+    source: str
+
+
+OURS_H200_MEM = "shardwise bench, bench/results/2026-11-29-h200-llama1b-ws1.json (plain torch.compile row: " \
+                "fp32 weights, gradients and AdamW state with bf16 autocast, torch SDPA flash attention)"
+
+MEMORY_RUNS: list[MemoryRun] = [
+    # 16 bytes of state per parameter either way (fp32 weight, gradient and two moments; the planner's
+    # bf16 weight + bf16 gradient + fp32 master and moments), so the activations are what is tested
+    MemoryRun("1.1B Llama, 1 H200, batch 4x2048, bf16 autocast, no recomputation",
+              ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048), "h200:1",
+              Strategy(zero=0, micro_batch=4, recompute="none"), 28.949, OURS_H200_MEM),
+]
+
+
+def memory_table(runs: list[MemoryRun] = MEMORY_RUNS) -> list[dict]:
+    rows = []
+    for r in runs:
+        e = estimate(r.model, cluster(r.cluster), r.strategy)
+        gb = e.memory["total"] / 1e9
+        rows.append({"run": r.label, "measured_gb": r.measured_gb, "predicted_gb": gb,
+                     "activations_gb": e.memory["activations"] / 1e9, "error": gb / r.measured_gb - 1,
+                     "source": r.source})
+    return rows
+
+
+def memory_markdown(rows: list[dict]) -> str:
+    lines = ["| run (peak memory per GPU) | measured GB | predicted GB (activations) | error | source |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['measured_gb']:.2f} | {r['predicted_gb']:.2f} ({r['activations_gb']:.2f}) | "
+                     f"{r['error']:+.1%} | {r['source']} |")
+    return "\n".join(lines)
 
 
 def table(runs: list[Run] = RUNS) -> list[dict]:
