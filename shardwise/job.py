@@ -404,6 +404,14 @@ class Job:
         st = self.state.streamer
         if st is None or self.host_update is False:
             return
+        if st.grad_dtype is None:  # the host's gradient buffers are made with the plan: in the step's dtype
+            for (_, mode), (prog, _) in self._programs.items():
+                if mode == "step":
+                    outs = prog.gm.graph.find_nodes(op="output")[0].args[0][1:]
+                    vals = [getattr(o, "meta", {}).get("val") for o in outs]
+                    dts = [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
+                    st.grad_dtype = dts[0] if dts else None
+                    break
         if self.host_update != "auto":
             st.plan_host(self.host_link(), fraction=float(self.host_update))
         elif self.mesh.device.type == "cuda" and st.sliced:

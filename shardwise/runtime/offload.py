@@ -81,6 +81,8 @@ class StreamedOptimizer:
         self._host_bufs: dict[str, dict[str, torch.Tensor]] = {}
         self._host_sent: dict[str, object] = {}  # name -> event of its last weights' copy to the device
         self._host_job: Future | None = None
+        self._host_moved = 0  # bytes the worker sent up since the last join
+        self._host_groups: list[dict] = []  # the user's param group of each host group
         self._worker: ThreadPoolExecutor | None = None
         self.grad_dtype: torch.dtype | None = None  # seen at the first step
         # CUDA: the update runs on its own stream and the step returns without waiting for it; the
@@ -172,7 +174,11 @@ class StreamedOptimizer:
 
     def set_host(self, names) -> None:
         """Update the master and state of ``names`` (offloaded, not resident) on the host: a fused
-        AdamW on a worker thread; only gradients and compute-dtype weights cross the link."""
+        AdamW on a worker thread; only gradients and compute-dtype weights cross the link. The
+        worker steps one parameter at a time (each one's weights go up as soon as it is done), with
+        the user's groups' hyperparameters as they are at each step; hooks registered on the
+        user's optimizer do not run for this part. After ``optimizer.load_state_dict`` (new state
+        dicts) call ``set_host`` again."""
         names = frozenset(names)
         bad = names - set(self.params)
         if bad or names & self.resident:
@@ -202,7 +208,7 @@ class StreamedOptimizer:
         with the host masters of ``names`` and the very same state dicts (what it updates is the
         user's optimizer state). Fused where the masters are fp32/fp64 (CPU fused AdamW: one pass)."""
         by_id = {id(p): n for n, p in self.params.items()}
-        groups, self._host_params = [], {}
+        groups, self._host_params, self._host_groups = [], {}, []
         fused = all(self.params[n].dtype in (torch.float32, torch.float64) for n in names)
         for g in self.opt.param_groups:
             ps = []
@@ -216,6 +222,7 @@ class StreamedOptimizer:
                 if fused:
                     grp.update(fused=True, foreach=False)
                 groups.append({**grp, "params": ps})
+                self._host_groups.append(g)
         opt = type(self.opt)(groups)
         for n, hp in self._host_params.items():
             opt.state[hp] = self.opt.state[self.params[n]]  # the same dict: one optimizer state
@@ -254,7 +261,7 @@ class StreamedOptimizer:
                 c = self.compute.get(n)
                 sent = None
                 if c is not None:
-                    self.bytes_moved += c.numel() * c.element_size()
+                    self._host_moved += c.numel() * c.element_size()
                 if c is not None and self.cuda:
                     out = b["out"]
                     if n in self._host_sent:
@@ -277,7 +284,10 @@ class StreamedOptimizer:
 
     def _start_host(self, grads: dict[str, torch.Tensor], main) -> dict[str, Future]:
         """Send the host parameters' gradients down (in forward order, on their own stream, after the
-        step's graph) and start the worker; returns each parameter's future copy-up event."""
+        step's graph) and start the worker; returns each parameter's future copy-up event. The host
+        groups take the user's groups' current hyperparameters first (a scheduler changes ``lr``)."""
+        for hg, g in zip(self._host_opt.param_groups, self._host_groups):
+            hg.update({k: v for k, v in g.items() if k not in ("params", "fused", "foreach")})
         arrived, published = {}, {}
         if self.cuda:
             self.hs.wait_stream(main)
@@ -297,6 +307,14 @@ class StreamedOptimizer:
             arrived[n] = ev
             published[n] = Future()
         self._host_job = self._worker.submit(self._host_update, arrived, published)
+
+        def failed(job):  # a worker that never ran must not leave the next step's graph waiting
+            if job.exception() is not None:
+                for f in published.values():
+                    if not f.done():
+                        f.set_exception(job.exception())
+
+        self._host_job.add_done_callback(failed)
         return published
 
     def _join_host(self) -> None:
@@ -304,6 +322,8 @@ class StreamedOptimizer:
         job, self._host_job = self._host_job, None
         if job is not None:
             job.result()
+            self.bytes_moved += self._host_moved  # counted by the worker alone, added here
+            self._host_moved = 0
 
     @torch.no_grad()
     def measure_host_rate(self, numel: int = 1 << 24, iters: int = 3) -> float:
@@ -662,7 +682,7 @@ class _HostReady(torch.distributed.Work):
         self.published = published
 
     def wait(self, timeout=None) -> bool:
-        ev = self.published.result()
+        ev = self.published.result(timeout.total_seconds() if timeout else None)
         if ev is not None:
             torch.cuda.current_stream().wait_event(ev)
         return True
