@@ -4,6 +4,7 @@
 # fp32 master weights and Adam state. Usage (device tool): SYSTEMS=... CKPT=--checkpoint bash bench/gpu_issue5.sh
 # One sitting may span several device commands (the machine stays warm between them): every command
 # appends its rows to one record kept in $SITTING (on the device machine) and copies it to $OUT.
+# The device copy's git metadata may name an older commit: give SHARDWISE_COMMIT=<hash> in the command.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
