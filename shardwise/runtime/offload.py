@@ -218,15 +218,21 @@ class StreamedOptimizer:
                     hp = self._host_params[n] = torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
                     ps.append(hp)
             if ps:
-                grp = {k: v for k, v in g.items() if k != "params"}
-                if fused:
-                    grp.update(fused=True, foreach=False)
-                groups.append({**grp, "params": ps})
+                groups.append(self._host_group(g, ps, fused))
                 self._host_groups.append(g)
         opt = type(self.opt)(groups)
         for n, hp in self._host_params.items():
             opt.state[hp] = self.opt.state[self.params[n]]  # the same dict: one optimizer state
         return opt
+
+    @staticmethod
+    def _host_group(group: dict, params: list, fused: bool) -> dict:
+        """A param group of the host optimizer: the user's ``group`` hyperparameters over ``params``,
+        fused (CPU fused AdamW: one pass) where asked."""
+        grp = {k: v for k, v in group.items() if k != "params"}
+        if fused:
+            grp.update(fused=True, foreach=False)
+        return {**grp, "params": params}
 
     def _bufs(self, n: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         """Host buffers of one host-updated parameter, made once: the gradient as it arrives, in the
@@ -336,10 +342,8 @@ class StreamedOptimizer:
         p = torch.nn.Parameter(torch.zeros(numel, dtype=master.dtype))
         g = torch.ones(numel, dtype=gd, pin_memory=self.cuda)
         out = torch.empty(numel, dtype=cd, pin_memory=self.cuda)
-        grp = {k: v for k, v in self.opt.param_groups[0].items() if k != "params"}
-        if master.dtype in (torch.float32, torch.float64):
-            grp.update(fused=True, foreach=False)
-        opt = type(self.opt)([{**grp, "params": [p]}])
+        fused = master.dtype in (torch.float32, torch.float64)
+        opt = type(self.opt)([self._host_group(self.opt.param_groups[0], [p], fused)])
         p.grad = torch.empty(numel, dtype=master.dtype)
         ts = []
         for _ in range(iters + 1):
@@ -355,7 +359,7 @@ class StreamedOptimizer:
         for host-updated parameters the new compute weights up and the gradients down."""
         streamed = sum(self.param_bytes(n) for n in self.streamed())
         up = sum(self.compute[n].numel() * self.compute[n].element_size() for n in self.host if n in self.compute)
-        gsize = (torch.empty((), dtype=self.grad_dtype).element_size() if self.grad_dtype is not None else None)
+        gsize = self.grad_dtype.itemsize if self.grad_dtype is not None else None
         down = sum(self.params[n].numel() * (gsize or (self.compute[n].element_size() if n in self.compute
                                                         else self.params[n].element_size())) for n in self.host)
         return streamed + up, streamed + down
@@ -374,31 +378,29 @@ class StreamedOptimizer:
         next forward reads them last). ``fraction``: that share of the offloaded state's bytes.
         Otherwise the cost model: take a parameter while it makes ``update_time`` smaller (the link
         time falls by what no longer streams, the host time grows by its elements / ``rate``)."""
-        if not self.sliced:
-            self.set_host(())
-            return []
-        self.set_host(())
-        cands = [n for n in self.params if n not in self.resident][::-1]
+        take: list[str] = []
+        cands = [n for n in self.params if n not in self.resident][::-1] if self.sliced else []
         if fraction is not None:
             total = sum(self.param_bytes(n) for n in cands)
-            take, acc = [], 0
+            acc = 0
             for n in cands:
                 if acc >= fraction * total:
                     break
                 take.append(n)
                 acc += self.param_bytes(n)
-            self.set_host(take)
-            return take
-        self.host_rate = rate if rate is not None else (self.host_rate or self.measure_host_rate())
-        take: list[str] = []
-        best = self.update_time(link)
-        for n in cands:
-            self.host = frozenset(take + [n])
-            t = self.update_time(link)
-            if t < best:
-                best = t
-                take.append(n)
-        self.host = frozenset()
+        elif cands:
+            self.host_rate = rate if rate is not None else (self.host_rate or self.measure_host_rate())
+            self.drain()
+            # candidate splits are priced by setting ``host`` alone; set_host below makes the chosen one
+            # (its pinned buffers are kept for the parameters that stay on the host)
+            self.host = frozenset()
+            best = self.update_time(link)
+            for n in cands:
+                self.host = frozenset(take + [n])
+                t = self.update_time(link)
+                if t < best:
+                    best = t
+                    take.append(n)
         self.set_host(take)
         return take
 
