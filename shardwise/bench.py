@@ -77,6 +77,11 @@ class BenchConfig:
     systems: list[str] = field(default_factory=lambda: ["shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2"])
     memory_fraction: float | None = None
     """CUDA: cap every system at this fraction of device memory (``set_per_process_memory_fraction``)."""
+    link_profile: str | None = None
+    """shardwise's link profile: a preset name or a JSON file from ``shardwise calibrate``; None: the preset
+    for the backend."""
+    trace_dir: str | None = None
+    """Write rank 0's chrome trace of the profiled step of each system here (``<system>.json.gz``)."""
 
     def __post_init__(self):
         bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
@@ -92,6 +97,12 @@ class BenchConfig:
             raise ValueError(f"bench: executor must be auto, fx or inductor, got {self.executor!r}")
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"bench: --memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.link_profile is not None:
+            from .costmodel import PRESETS
+
+            if self.link_profile not in PRESETS and not os.path.isfile(self.link_profile):
+                raise ValueError(f"bench: --link-profile {self.link_profile!r} is neither a preset "
+                                 f"({', '.join(PRESETS)}) nor a file: run `shardwise calibrate --out FILE` first")
         if self.steps < 1 or self.warmup < 1:
             raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
 
@@ -264,7 +275,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         executor = cfg.executor if cfg.executor != "auto" else ("inductor" if device.type == "cuda" else "fx")
         opts = {"schedule": not system.startswith("shardwise-noopt"), **_options(system)}
         job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=cfg.lr), strategy=cfg.strategy,
-                         mesh=sw.mesh(), mixed_precision=mp, compile=opts.pop("compile", executor), **opts)
+                         mesh=sw.mesh(), mixed_precision=mp, compile=opts.pop("compile", executor),
+                         link_profile=cfg.link_profile, **opts)
         row["pred_peak_mem_gb"] = job.predict_memory(batches[0])["peak"] / 1e9
         step, opt = job.step, job.optimizer
         job.time_optimizer = True
@@ -325,7 +337,11 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
             peak = measure(job, lambda: step(b))[1] if system.startswith("shardwise") \
                 else _cpu_peak(lambda: step(b), model, opt)
             row["peak_mem_gb"] = None if peak is None else peak / 1e9
-        _, meas = profiled(lambda: step(batches[-1]), device)
+        trace = None
+        if cfg.trace_dir and rank == 0:
+            os.makedirs(cfg.trace_dir, exist_ok=True)
+            trace = os.path.join(cfg.trace_dir, system.replace(":", "_").replace("=", "").replace("+", "_") + ".json.gz")
+        _, meas = profiled(lambda: step(batches[-1]), device, trace=trace)
         if device.type == "cuda" or system.startswith("shardwise"):
             row["exposed_comm_pct"] = meas["exposed_pct"]
     except Exception as e:  # noqa: BLE001

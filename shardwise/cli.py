@@ -198,6 +198,10 @@ def _bench_parser(sub) -> None:
                    help="CUDA: cap every system at this fraction of device memory, e.g. 0.2285 of an H200 = 32 GiB")
     p.add_argument("--append", action="store_true",
                    help="add the rows to the existing --name record (one sitting split over several commands)")
+    p.add_argument("--link-profile", default=None,
+                   help="shardwise's link profile: a JSON file from `shardwise calibrate` or a preset name")
+    p.add_argument("--trace-dir", default=None,
+                   help="write rank 0's chrome trace of each system's profiled step here (<system>.json.gz)")
 
 
 def bench_main(args) -> None:
@@ -209,7 +213,8 @@ def bench_main(args) -> None:
     cfg = BenchConfig(model=args.model, size=args.size, batch=args.batch, seq=args.seq, precision=args.precision,
                       checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
                       warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
-                      memory_fraction=args.memory_fraction)
+                      memory_fraction=args.memory_fraction, link_profile=args.link_profile,
+                      trace_dir=args.trace_dir)
     ensure_process_group()
     bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]), append=args.append)
     dist.barrier()

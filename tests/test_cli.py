@@ -105,9 +105,16 @@ def test_bench_writes_json_and_plot(tmp_path):
 
     out = run_cli("bench", "--model", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
                   "--systems", "shardwise,shardwise-noopt:bucket_mb=0,shardwise:offload=1+recompute=1+budget_gb=1,ddp,fsdp2",
-                  "--out", str(tmp_path),
+                  "--out", str(tmp_path), "--link-profile", "cpu-gloo", "--trace-dir", str(tmp_path / "tr"),
                   "--name", "t")
     rec = json.loads((tmp_path / "t.json").read_text())
+    assert rec["config"]["link_profile"] == "cpu-gloo"
+    # one gzipped chrome trace per system, from rank 0
+    traces = sorted(p.name for p in (tmp_path / "tr").iterdir())
+    assert len(traces) == 5 and "shardwise-noopt_bucket_mb0.json.gz" in traces, traces
+    import gzip
+
+    assert json.loads(gzip.decompress((tmp_path / "tr" / "ddp.json.gz").read_bytes()))["traceEvents"]
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     for k in ("name", "date", "machine", "gpus", "versions", "command", "config", "results"):
         assert k in rec
@@ -130,3 +137,6 @@ def test_bench_rejects_unknown_systems_and_options():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise:speed=11", "--nproc",
                         "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert "bad option" in p.stderr + p.stdout
+    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--link-profile", "/nonexistent.json",
+                        "--nproc", "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "shardwise calibrate" in p.stderr + p.stdout
