@@ -283,8 +283,15 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         job.replan_at = 1  # under a budget: measured and, if need be, re-planned inside the warm-up
     else:
         step, opt = _peer(system, cfg, model, device)
-    for i in range(cfg.warmup):
-        step(batches[i])
+    warmup = cfg.warmup
+    if system.startswith("deepcompile"):
+        # DeepCompile profiles the first steps, then at its WARMUP-th step resets dynamo and recompiles
+        # with its optimisation passes (prefetch, selective gather): steps up to two past that are warm-up
+        from deepspeed.compile import init_z3
+
+        warmup = max(warmup, getattr(init_z3, "WARMUP", 5) + 2)
+    for i in range(warmup):
+        step(batches[i % len(batches)])
     if system.startswith("shardwise"):
         # the warm-up also holds the steps that decide the plan (offload residency, a budget's check)
         # and a step that times the update of the plan made
@@ -395,7 +402,29 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
         if device.type != "cuda":
             raise ValueError("bench: --memory-fraction caps CUDA memory; this run has no GPU")
         torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device)
-    rows = []
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = name or f"{now:%Y-%m-%d}-bench-{cfg.model}-{cfg.size}-ws{ws}-{device.type}"
+    path = os.path.join(out_dir, name + ".json")
+    rec = {"name": name, "date": now.isoformat(timespec="seconds"), "machine": _machine(device),
+           "gpus": ws if device.type == "cuda" else 0, "versions": _versions(),
+           "command": command or " ".join(sys.argv), "config": {**asdict(cfg), "ranks": ws}, "results": []}
+    bad = [""]
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        if append and os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            ignore = {"systems": None, "trace_dir": None}  # not part of what is measured
+            if old["config"] | ignore != rec["config"] | ignore:
+                bad[0] = f"bench --append: {path} was made with another configuration: {old['config']}"
+            else:
+                rec["config"]["systems"] = old["config"]["systems"] + rec["config"]["systems"]
+                rec["results"] = old["results"]
+                rec["command"] = old["command"] + " ; " + rec["command"]
+                rec["date"] = old["date"]
+    dist.broadcast_object_list(bad, src=0, group=ctrl)  # every rank stops, not rank 0 alone
+    if bad[0]:
+        raise ValueError(bad[0])
     for system in cfg.systems:
         t0 = time.perf_counter()
         try:
@@ -413,39 +442,30 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
         if any(errs):
             row = {"system": system, "error": next(e for e in errs if e)}
         row["wall_s"] = round(time.perf_counter() - t0, 1)
-        rows.append(row)
         if rank == 0:
             print(_fmt_row(row), flush=True)
+            rec["results"].append(row)
+            # written after every system: a sitting cut short keeps the rows it finished
+            _write_atomic(path, rec)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         dist.barrier()
     if rank != 0:
         return None
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = name or f"{now:%Y-%m-%d}-bench-{cfg.model}-{cfg.size}-ws{ws}-{device.type}"
-    rec = {"name": name, "date": now.isoformat(timespec="seconds"), "machine": _machine(device), "gpus": ws if device.type == "cuda" else 0,
-           "versions": _versions(), "command": command or " ".join(sys.argv), "config": {**asdict(cfg), "ranks": ws},
-           "results": rows}
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, name + ".json")
-    if append and os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        if old["config"] | {"systems": None} != rec["config"] | {"systems": None}:
-            raise ValueError(f"bench --append: {path} was made with another configuration: {old['config']}")
-        rec["config"]["systems"] = old["config"]["systems"] + rec["config"]["systems"]
-        rec["results"] = old["results"] + rows
-        rec["command"] = old["command"] + " ; " + rec["command"]
-        rec["date"] = old["date"]
-    with open(path, "w") as f:
-        json.dump(rec, f, indent=1)
     try:
         plot(rec, os.path.join(out_dir, name + ".png"))
         print(f"wrote {path} and {name}.png", flush=True)
     except ImportError as e:
         print(f"wrote {path}; no plot: {e} (pip install matplotlib)", flush=True)
     return rec
+
+
+def _write_atomic(path: str, rec: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rec, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _fmt_row(r: dict) -> str:

@@ -128,6 +128,14 @@ def test_bench_writes_json_and_plot(tmp_path):
         assert rows[s]["pred_step_s"] > 0 and rows[s]["pred_peak_mem_gb"] > 0 and rows[s]["peak_mem_gb"] > 0
         assert rows[s]["exposed_comm_pct"] is not None
     assert rows["ddp"]["pred_step_s"] is None  # predictions are shardwise's own
+    # appending to a record of another configuration stops every rank (none is left waiting) and
+    # leaves the record as it was
+    before = (tmp_path / "t.json").read_text()
+    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--model", "gpt", "--size", "tiny",
+                        "--nproc", "2", "--batch", "3", "--systems", "ddp", "--out", str(tmp_path), "--name", "t",
+                        "--append"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "another configuration" in p.stdout + p.stderr
+    assert (tmp_path / "t.json").read_text() == before
 
 
 def test_bench_rejects_unknown_systems_and_options():
