@@ -79,10 +79,12 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
     is not a graph output and feeds no library kernel (matrix product, attention, collective) is
     computed inside its consumers' kernels (see ``_inlined``), so it allocates nothing and instead
     keeps the buffers it reads alive until its consumers run. Composite ops inductor decomposes
-    (softmax, layer norm) still count as stored, so this errs high; measured on an H200 (1.1B Llama)
-    it came 5.5% high (before inductor's locality reordering was turned off, which lowered the
-    real peak). On CPU it cannot be checked: inductor's wrapper allocates its buffers outside the
-    dispatcher, where MemTracker does not see them. A model, not a measurement.
+    (softmax, layer norm) still count as stored. Measured on H200s (1.1B Llama, batch 4x2048, bf16,
+    2026-11-30) it errs low instead: the graph's live peak was 1.2-1.6 GB above this simulation at
+    one rank and at two (10.4 GB simulated at one rank), for reasons not yet found (the allocator's
+    view of the peak is the next thing to read). On CPU it cannot be checked: inductor's wrapper
+    allocates its buffers outside the dispatcher, where MemTracker does not see them. A model, not a
+    measurement.
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -136,22 +138,33 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
 def optimizer_transient(opt: torch.optim.Optimizer) -> int:
     """Bytes the optimizer's step allocates for itself on top of its state (a model, not a measure).
 
-    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — builds whole-list
-    temporaries (bias-corrected ``sqrt(v)`` and the update: two tensors per parameter); the
-    single-tensor loop — the default on CPU — holds two temporaries of one parameter at a time.
-    Other optimizers are modelled the same way.
+    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — builds one whole-list
+    temporary there, the bias-corrected ``sqrt(v)`` (every other update is in place), plus a copy of
+    the gradients when Adam folds an L2 weight decay into them or ``maximize`` negates them. On an
+    H200 (1.1B Llama, one rank) the measured peak ruled out a second list: it stayed 1.6 GB under
+    resident state + gradients + two lists. On a CPU the foreach ops fall back to per-tensor code
+    that holds two lists (measured with MemTracker). The single-tensor loop — the CPU default —
+    holds two temporaries of one parameter at a time. Other optimizers are modelled as Adam.
     """
     ps = [p for g in opt.param_groups for p in g["params"]]
     if not ps:
         return 0
-    per = [p.numel() * p.element_size() for p in ps]
-    foreach = opt.defaults.get("foreach")
-    fused = opt.defaults.get("fused")
-    if fused:
+    return _step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults,
+                             isinstance(opt, torch.optim.AdamW), ps[0].device.type)
+
+
+def _step_temporaries(per: list[int], d: dict, adamw: bool, device: str) -> int:
+    if d.get("fused"):
         return 0
+    foreach = d.get("foreach")
     if foreach is None:
-        foreach = ps[0].device.type == "cuda"
-    return 2 * sum(per) if foreach else 2 * max(per)
+        foreach = device == "cuda"
+    if not foreach:
+        return 2 * max(per)
+    if device != "cuda":
+        return 2 * sum(per)
+    grads_copied = d.get("maximize") or (d.get("weight_decay") and not adamw and not d.get("decoupled_weight_decay"))
+    return (2 if grads_copied else 1) * sum(per)
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
