@@ -35,7 +35,8 @@ class Accelerator:
     ``x`` = hidden size / tensor-parallel size (the width of each GPU's matrix products): wider
     products run closer to peak. Fitted on two runs of Korthikanti et al. 2022 on A100s (the 22B and
     175B models with selective recomputation, Table 5); every other run in the validation table is
-    predicted blind. Other accelerators use the A100 curve until runs of theirs are fitted."""
+    predicted blind. H100 and H200 keep the curve's shape with ``eff_max`` fitted on one run of ours
+    (``HOPPER_EFF_MAX``); TPUs use the A100 curve until runs of theirs are fitted."""
 
     def efficiency(self, width: float) -> float:
         return self.eff_max * width / (width + self.eff_x0)
@@ -116,8 +117,12 @@ class ClusterSpec:
         return f"{self.name}: {shape} {self.accel.name} ({self.gpus} chips), {links}"
 
 
-H100 = Accelerator("H100 SXM", 989e12, 80e9, 3.35e12)
-H200 = Accelerator("H200 SXM", 989e12, 141e9, 4.8e12)
+# H100/H200: the A100 curve's shape, its ceiling fitted on one run only: plain torch.compile of the 1.1B
+# Llama shape on one H200, batch 4x2048, bf16, 0.1257 s/step (bench/results/2026-11-29-h200-llama1b-ws1.json).
+# With the A100 ceiling (0.71) that run was predicted 18% fast. Every other Hopper row is blind.
+HOPPER_EFF_MAX = 0.575
+H100 = Accelerator("H100 SXM", 989e12, 80e9, 3.35e12, eff_max=HOPPER_EFF_MAX)
+H200 = Accelerator("H200 SXM", 989e12, 141e9, 4.8e12, eff_max=HOPPER_EFF_MAX)
 A100 = Accelerator("A100 SXM 80GB", 312e12, 80e9, 2.0e12)
 
 # bus bandwidths and latencies: shared/notes/cost-models.md §2 (nccl-tests issues; NCCL's tuning constants)
@@ -130,6 +135,9 @@ NO_LINK = Level("none", 1e12, 0.0)
 
 NODES = {
     "h200": (H200, 1, NO_LINK, None),  # one GPU (our bench machine)
+    # our two-GPU bench machine (NV18); the link is `shardwise calibrate` over NCCL on it, 2026-11-30
+    # (bench/results/2026-11-30-h200x2-nccl-link.json: all-gather 280 GB/s bus bandwidth, α 72 µs)
+    "h200-nv18-x2": (H200, 2, Level("NVLink NV18", 279.5e9, 71.7e-6), None),
     "dgx-h100": (H100, 8, NVLINK4, IB_NDR),
     "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
     "dgx-a100": (A100, 8, NVLINK3, IB_HDR),
@@ -177,5 +185,7 @@ def cluster(spec: str) -> ClusterSpec:
     if nodes < 1:
         raise ValueError(f"cluster {spec!r}: needs at least one node")
     accel, per, intra, inter = NODES[name]
+    if inter is None and nodes > 1:
+        raise ValueError(f"cluster {spec!r}: {name} is one machine with no network between machines; use {name}:1")
     dims = ((per, intra),) + (((nodes, inter),) if nodes > 1 or inter is not None else ())
     return ClusterSpec(spec, accel, dims)

@@ -10,13 +10,26 @@ from dataclasses import dataclass
 
 from .clusters import cluster
 from .estimate import Strategy, estimate
-from .models import ModelSpec
+from .models import ModelSpec, model
 
 KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, " \
               "arXiv 2205.05198, Table 5 (A100 80GB, Selene)"
 VTRAIN = "vTrain (Bang et al., MICRO 2024), github.com/VIA-Research/vTrain data/ground_truth_multi.csv: " \
          "Megatron-DeepSpeed on A100s, 800 Gb/s per 8-GPU node, full activation checkpointing"
 OURS_H200 = "shardwise bench, bench/results/2026-11-29-h200-llama1b-ws1.json (plain torch.compile row)"
+OURS_H200X2 = "shardwise bench, bench/results/2026-11-30-h200x2-llama1b-ws2.json (one sitting, NCCL-calibrated link)"
+TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (github.com/pytorch/torchtitan): " \
+             "H100 SXM 96 GB HBM2e at a 500 W power limit, 400 Gb/s RDMA per GPU, sequence 8192 (its 8B config), " \
+             "selective per-op activation checkpointing, bf16, torch of 2024-12-23"
+LLAMA_1B = ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048)
+
+
+def _titan(gpus: int, compiled: bool, tps: float) -> "Run":
+    # tokens/s per GPU at 2 sequences of 8192 per GPU -> seconds per step
+    return Run(f"Llama 3.1 8B, {gpus} H100 (500 W), FSDP{' + torch.compile' if compiled else ' eager'}, 2x8192 per GPU",
+               model("llama3-8b"), f"dgx-h100:{gpus // 8}",
+               Strategy(zero=3, micro_batch=2, global_batch=2 * gpus, seq=8192, recompute="selective"),
+               2 * 8192 / tps, TORCHTITAN)
 
 
 def _megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -60,9 +73,15 @@ RUNS: list[Run] = [
           ("18.4B", 256, 1024, 8, 6144, 48, 40, 8, 1, 9603.6),
           ("39.1B", 512, 1536, 2, 8192, 64, 48, 4, 4, 13875.5),
           ("175B", 512, 1536, 2, 12288, 96, 96, 4, 32, 53909.6)]],
-    Run("1.1B Llama, 1 H200, batch 4x2048, bf16, no recomputation (A100 curve: no H200 run fitted)",
-        ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048), "h200:1",
-        Strategy(zero=0, micro_batch=4, recompute="none"), 0.1257, OURS_H200),
+    Run("1.1B Llama, 1 H200, batch 4x2048, bf16, no recomputation (the Hopper ceiling is fitted on it)",
+        LLAMA_1B, "h200:1", Strategy(zero=0, micro_batch=4, recompute="none"), 0.1257, OURS_H200, fitted=True),
+    Run("1.1B Llama, 2 H200 over NVLink, ZeRO-3 (shardwise zero3), batch 4x2048 per GPU, bf16",
+        LLAMA_1B, "h200-nv18-x2:1", Strategy(zero=3, micro_batch=4, global_batch=8, recompute="none"), 0.1318,
+        OURS_H200X2),
+    Run("1.1B Llama, 2 H200 over NVLink, weights gathered once per step (shardwise zero3 + memory plan), 4x2048 per GPU",
+        LLAMA_1B, "h200-nv18-x2:1", Strategy(zero=2, micro_batch=4, global_batch=8, recompute="none"), 0.1244,
+        OURS_H200X2),
+    _titan(8, True, 6667), _titan(8, False, 5762), _titan(128, True, 6514), _titan(128, False, 5605),
 ]
 
 
@@ -84,8 +103,12 @@ MEMORY_RUNS: list[MemoryRun] = [
     # 16 bytes of state per parameter either way (fp32 weight, gradient and two moments; the planner's
     # bf16 weight + bf16 gradient + fp32 master and moments), so the activations are what is tested
     MemoryRun("1.1B Llama, 1 H200, batch 4x2048, bf16 autocast, no recomputation",
-              ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048), "h200:1",
-              Strategy(zero=0, micro_batch=4, recompute="none"), 28.949, OURS_H200_MEM),
+              LLAMA_1B, "h200:1", Strategy(zero=0, micro_batch=4, recompute="none"), 28.949, OURS_H200_MEM),
+    # torchtitan's figure is the allocator's peak reserved memory (GiB), with FSDP + torch.compile
+    *[MemoryRun(f"Llama 3.1 8B, {g} H100, FSDP + torch.compile, 2x8192 per GPU, selective per-op checkpointing",
+                model("llama3-8b"), f"dgx-h100:{g // 8}",
+                Strategy(zero=3, micro_batch=2, global_batch=2 * g, seq=8192, recompute="selective"),
+                gib * 2**30 / 1e9, TORCHTITAN + " (peak reserved)") for g, gib in ((8, 77.0), (128, 62.0))],
 ]
 
 
