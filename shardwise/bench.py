@@ -82,6 +82,9 @@ class BenchConfig:
     for the backend."""
     trace_dir: str | None = None
     """Write rank 0's chrome trace of the profiled step of each system here (``<system>.json.gz``)."""
+    memory_sites: bool = False
+    """CUDA: record the allocator over one more step and add to each row the blocks live at its peak,
+    grouped by where they were allocated (``memory_at_peak``)."""
 
     def __post_init__(self):
         bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
@@ -353,7 +356,32 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
             row["exposed_comm_pct"] = meas["exposed_pct"]
     except Exception as e:  # noqa: BLE001
         row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if cfg.memory_sites and device.type == "cuda":
+        try:
+            row["memory_at_peak"] = _memory_sites(lambda: step(batches[-1]), device)
+        except Exception as e:  # noqa: BLE001
+            row["memory_sites_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
+
+
+def _memory_sites(fn, device) -> dict:
+    """One step under the allocator's recorder: its peak and the blocks live then, by site (GB)."""
+    from .runtime.memory import live_at_peak
+
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize(device)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live = live_at_peak(snap["device_traces"][device.index], base)
+    return {"peak_gb": live["peak"] / 1e9, "max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "before_step_gb": live["before"] / 1e9,
+            "sites": [[site, round(b / 1e9, 4), n] for site, b, n in live["sites"]]}
 
 
 def _peak_flops(device) -> float | None:
@@ -414,7 +442,7 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
         if append and os.path.exists(path):
             with open(path) as f:
                 old = json.load(f)
-            ignore = {"systems": None, "trace_dir": None}  # not part of what is measured
+            ignore = {"systems": None, "trace_dir": None, "memory_sites": None}  # not part of what is measured
             if old["config"] | ignore != rec["config"] | ignore:
                 bad[0] = f"bench --append: {path} was made with another configuration: {old['config']}"
             else:

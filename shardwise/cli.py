@@ -202,6 +202,8 @@ def _bench_parser(sub) -> None:
                    help="shardwise's link profile: a JSON file from `shardwise calibrate` or a preset name")
     p.add_argument("--trace-dir", default=None,
                    help="write rank 0's chrome trace of each system's profiled step here (<system>.json.gz)")
+    p.add_argument("--memory-sites", action="store_true",
+                   help="CUDA: record one more step's allocations and list the blocks live at its peak by site")
 
 
 def bench_main(args) -> None:
@@ -214,7 +216,7 @@ def bench_main(args) -> None:
                       checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
                       warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
                       memory_fraction=args.memory_fraction, link_profile=args.link_profile,
-                      trace_dir=args.trace_dir)
+                      trace_dir=args.trace_dir, memory_sites=args.memory_sites)
     ensure_process_group()
     bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]), append=args.append)
     dist.barrier()

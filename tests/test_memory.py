@@ -104,3 +104,21 @@ def test_optimizer_step_temporaries_as_measured():
     assert _step_temporaries(per, {"foreach": None, "maximize": True}, True, "cuda") == 800
     assert _step_temporaries(per, {"foreach": None}, True, "cpu") == 600  # the loop: two of the largest
     assert _step_temporaries(per, {"fused": True}, True, "cuda") == 0
+
+
+def test_live_at_peak_groups_the_allocators_blocks_by_site():
+    # a recorded step as torch.cuda.memory._snapshot() gives it: 100 bytes allocated before recording
+    from shardwise.runtime.memory import live_at_peak
+
+    def ev(action, addr, size, where=None):
+        frames = [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                  {"filename": f"/tmp/torchinductor_root/ab/{where}.py", "line": 7, "name": "call"}] if where else []
+        return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+    trace = [ev("alloc", 1, 50, "k"), ev("alloc", 2, 30, "y"),
+             ev("free_requested", 1, 50), ev("free_completed", 1, 50),  # taken until completed
+             ev("free_completed", 99, 20),  # a block from before the recording
+             ev("alloc", 3, 60, "k"), ev("alloc", 4, 100, "z"), ev("free_completed", 4, 100)]
+    out = live_at_peak(trace, baseline=100)
+    assert out["peak"] == 270 and out["before"] == 80
+    assert out["sites"] == [("z.py:7 call", 100, 1), ("k.py:7 call", 60, 1), ("y.py:7 call", 30, 1)]

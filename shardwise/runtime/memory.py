@@ -43,3 +43,50 @@ def tracked_peak(fn: Callable[[], object], *external) -> tuple[object, int]:
         out = fn()
     peak = mt.get_tracker_snapshot("peak")
     return out, int(sum(d.get("Total", 0) for d in peak.values()))
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost frame outside torch's own Python (an inductor
+    wrapper's line, a shardwise module, an optimizer, a model)."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "torchinductor" in name or "/torch/" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name', '')}"
+    return f"{frames[0].get('filename', '?').rsplit('/', 1)[-1]}:{frames[0].get('line')}" if frames else "?"
+
+
+def live_at_peak(trace: list[dict], baseline: int, top: int = 25) -> dict:
+    """The allocator's live blocks at the peak of one recorded step, grouped by allocation site.
+
+    ``trace`` is one device's event list from ``torch.cuda.memory._snapshot()["device_traces"]``
+    (recording started with ``torch.cuda.memory._record_memory_history``); ``baseline`` the bytes
+    allocated when recording started. A block counts from its ``alloc`` to its ``free_completed``
+    (a block freed while another stream still used it stays taken until then, as in
+    ``max_memory_allocated``). Blocks older than the recording are the ``before the step`` group.
+    Returns {peak, before, sites: [(site, bytes, blocks)] largest first}.
+    """
+    live: dict[int, tuple[int, str]] = {}
+    before = baseline
+    cur = peak = baseline
+    at_peak: dict[int, tuple[int, str]] = {}
+    peak_before = baseline
+    for e in trace:
+        act, addr, size = e.get("action"), e.get("addr"), e.get("size", 0)
+        if act == "alloc":
+            live[addr] = (size, _site(e.get("frames", [])))
+            cur += size
+            if cur > peak:
+                peak, at_peak, peak_before = cur, dict(live), before
+        elif act == "free_completed":
+            if addr in live:
+                live.pop(addr)
+            else:
+                before -= size
+            cur -= size
+    sites: dict[str, list[int]] = {}
+    for size, site in at_peak.values():
+        s = sites.setdefault(site, [0, 0])
+        s[0] += size
+        s[1] += 1
+    ranked = sorted(((k, v[0], v[1]) for k, v in sites.items()), key=lambda r: -r[1])
+    return {"peak": peak, "before": peak_before, "sites": ranked[:top]}
