@@ -29,14 +29,17 @@ class Accelerator:
     """Dense bf16 FLOP/s from the datasheet (MFU is quoted against it)."""
     hbm_bytes: float
     hbm_bw: float
-    eff_max: float = 0.71
-    eff_x0: float = 291.0
-    """Achieved fraction of peak of a transformer layer's compute, ``eff_max · x / (x + eff_x0)`` with
-    ``x`` = hidden size / tensor-parallel size (the width of each GPU's matrix products): wider
-    products run closer to peak. Fitted on two runs of Korthikanti et al. 2022 on A100s (the 22B and
-    175B models with selective recomputation, Table 5); every other run in the validation table is
-    predicted blind. H100 and H200 keep the curve's shape with ``eff_max`` fitted on one run of ours
-    (``HOPPER_EFF_MAX``); TPUs use the A100 curve until runs of theirs are fitted."""
+    eff_max: float = 0.683
+    eff_x0: float = 0.0
+    """Achieved fraction of peak of the matrix products, ``eff_max · x / (x + eff_x0)`` with ``x`` =
+    hidden size / tensor-parallel size. The A100's ``eff_max`` is fitted on two runs of Korthikanti et
+    al. 2022 (the 22B and 175B models with selective recomputation, Table 5); with the memory-bound
+    kernels counted on their own (``mem_eff``, models.ModelSpec.elementwise_bytes) the fit wants no
+    dependence on the width (``eff_x0`` = 0; without them it was 0.71·x/(x+291)). H100 and H200 have
+    their ``eff_max`` fitted on one run of ours (``HOPPER_EFF_MAX``); TPUs use the A100's until runs
+    of theirs are fitted. Every other run in the validation table is predicted blind."""
+    mem_eff: float = 0.8
+    """Share of ``hbm_bw`` the memory-bound kernels reach (an assumption, not fitted)."""
 
     def efficiency(self, width: float) -> float:
         return self.eff_max * width / (width + self.eff_x0)
@@ -117,10 +120,10 @@ class ClusterSpec:
         return f"{self.name}: {shape} {self.accel.name} ({self.gpus} chips), {links}"
 
 
-# H100/H200: the A100 curve's shape, its ceiling fitted on one run only: plain torch.compile of the 1.1B
+# H100/H200: the matrix products' share of peak fitted on one run only: plain torch.compile of the 1.1B
 # Llama shape on one H200, batch 4x2048, bf16, 0.1257 s/step (bench/results/2026-11-29-h200-llama1b-ws1.json).
-# With the A100 ceiling (0.71) that run was predicted 18% fast. Every other Hopper row is blind.
-HOPPER_EFF_MAX = 0.575
+# With the A100's share that run was predicted 18% fast. Every other Hopper row is blind.
+HOPPER_EFF_MAX = 0.546
 H100 = Accelerator("H100 SXM", 989e12, 80e9, 3.35e12, eff_max=HOPPER_EFF_MAX)
 H200 = Accelerator("H200 SXM", 989e12, 141e9, 4.8e12, eff_max=HOPPER_EFF_MAX)
 A100 = Accelerator("A100 SXM 80GB", 312e12, 80e9, 2.0e12)

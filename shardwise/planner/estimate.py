@@ -4,8 +4,10 @@ Layout of ranks (Megatron's): tensor parallel innermost (inside a node), then pi
 then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 
 - compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward
-  under full recomputation, the attention core under selective) over the GPUs, at an efficiency of
-  the datasheet peak that grows with each GPU's matrix width (clusters.Accelerator.efficiency);
+  under full recomputation, the attention core under selective) over the GPUs, at the accelerator's
+  fitted share of the datasheet peak (clusters.Accelerator.efficiency), plus the memory-bound
+  kernels' bytes (norms, activations, residual adds, unfused attention scores:
+  models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth;
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
   forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
   same bytes), two more under full recomputation; not overlapped (Megatron's default);
@@ -122,7 +124,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     fpt = model.flops_per_token(seq)
     extra = {"none": 0.0, "selective": 4.0 * L * h * seq, "full": fpt / 3.0}[st.recompute]
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
-    compute = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
+    matmul = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
+    # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
+    # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
+    ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention)
+    elementwise = tokens / dp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
+    compute = matmul + elementwise
 
     # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute)
     per_layer = (6 if st.recompute == "full" else 4)
@@ -185,10 +192,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     g = lambda x: f"{x:.4g}"  # noqa: E731
     formulas = [
         f"flops/token = 6·(active matmul weights) + 12·L·d·T = {g(fpt)} (+ recompute {st.recompute}: {g(extra)})",
-        f"efficiency = {'given' if st.efficiency is not None else f'{acc.eff_max}·x/(x+{acc.eff_x0}), x = d/tp = {h / st.tp:g}'}"
-        f" = {eff:.3f}",
-        f"compute = tokens·flops/token / (gpus·peak·eff) = {g(tokens)}·{g(fpt + extra)} / ({gpus}·{g(acc.peak_flops)}·"
-        f"{eff:.3f}) = {g(compute)} s",
+        "efficiency = " + ("given" if st.efficiency is not None else "the accelerator's fitted share" if not acc.eff_x0
+                           else f"{acc.eff_max}·x/(x+{acc.eff_x0}), x = d/tp = {h / st.tp:g}") + f" = {eff:.3f}",
+        f"matmul = tokens·flops/token / (gpus·peak·eff) = {g(tokens)}·{g(fpt + extra)} / ({gpus}·{g(acc.peak_flops)}·"
+        f"{eff:.3f}) = {g(matmul)} s",
+        f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
+        f"= {g(elementwise)} s; compute = {g(compute)} s",
         f"tensor parallel = {per_layer} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",

@@ -96,6 +96,31 @@ class ModelSpec:
             split += 5.0 * self.heads * seq * sb
         return (whole + split) / tp if sp else whole + split / tp
 
+    def elementwise_bytes(self, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none",
+                          fused_attention: bool = True) -> float:
+        """HBM bytes one token moves through one layer's memory-bound (non-matmul) kernels on one
+        tensor-parallel rank in a training step, counted from the kernels of an unfused 16-bit layer:
+
+        - forward, hidden-sized: two norms (read + write, 4·h each), two residual adds with their
+          dropout (read two, write one, mask: 7·h each; 6·h without dropout); whole on every rank
+          unless sequence parallel;
+        - forward, MLP activation: GeLU reads and writes ffn (4·ffn), a gated unit reads two and
+          writes one (6·ffn; MoE: per routed expert); split over ``tp``;
+        - forward, attention scores when not fused (flash attention has none): the score matmul's
+          write, softmax's read and write, dropout's read, write and mask, the value matmul's read:
+          13·a·s bytes (a heads, s the sequence), split over ``tp``;
+        - the backward moves about twice the forward; full recomputation adds one forward, selective
+          recomputation one forward of the attention scores.
+
+        A model of what eager Megatron-style kernels move, not a measurement; compilers that fuse
+        kernels move less (the accelerator's fitted ceiling absorbs some of that)."""
+        h = self.hidden
+        hidden = (2 * 4 + 2 * (7 if self.dropout else 6)) * h / (tp if sp else 1)
+        act = (6.0 if self.gated else 4.0) * self.ffn * self.top_k / tp
+        scores = 0.0 if fused_attention else 13.0 * self.heads * seq / tp
+        fwd_e, fwd_s = hidden + act, scores
+        return (fwd_e * (3 + (recompute == "full")) + fwd_s * (3 + (recompute in ("full", "selective"))))
+
     def __str__(self) -> str:
         moe = f", {self.experts} experts top-{self.top_k}" if self.experts > 1 else ""
         return (f"{self.name}: {self.params() / 1e9:.1f}B params ({self.layers} layers, d={self.hidden}, "
