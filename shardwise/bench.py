@@ -38,7 +38,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -442,8 +442,12 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
         if append and os.path.exists(path):
             with open(path) as f:
                 old = json.load(f)
-            ignore = {"systems": None, "trace_dir": None, "memory_sites": None}  # not part of what is measured
-            if old["config"] | ignore != rec["config"] | ignore:
+            # settings that are not part of what is measured may differ; a setting an older record
+            # lacks counts as its default
+            ignore = {"systems", "trace_dir", "memory_sites"}
+            defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
+            keys = (set(old["config"]) | set(rec["config"])) - ignore
+            if any(old["config"].get(k, defaults.get(k)) != rec["config"].get(k, defaults.get(k)) for k in keys):
                 bad[0] = f"bench --append: {path} was made with another configuration: {old['config']}"
             else:
                 rec["config"]["systems"] = old["config"]["systems"] + rec["config"]["systems"]
