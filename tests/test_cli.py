@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args, timeout=300):
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True, timeout=timeout)
@@ -148,3 +150,14 @@ def test_bench_rejects_unknown_systems_and_options():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--link-profile", "/nonexistent.json",
                         "--nproc", "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "shardwise calibrate" in p.stderr + p.stdout
+
+
+def test_bench_rows_get_their_share_above_the_no_communication_ceiling():
+    from shardwise.bench import _over_ceiling
+
+    rows = [{"system": "shardwise", "step_s": 0.125}, {"system": "compile", "step_s": 0.1},
+            {"system": "deepspeed", "error": "not installed"}]
+    assert _over_ceiling(rows)
+    assert rows[0]["over_ceiling_pct"] == pytest.approx(20.0)
+    assert "over_ceiling_pct" not in rows[1] and "over_ceiling_pct" not in rows[2]
+    assert not _over_ceiling([{"system": "ddp", "step_s": 0.2}])  # no ceiling in the record: nothing added
