@@ -465,12 +465,14 @@ def plan_main(args) -> None:
     from shardwise.planner.models import model
 
     if args.validate:
-        from shardwise.planner.validation import (markdown, memory_markdown, memory_table, table, vtrain_all,
-                                                  vtrain_summary)
+        from shardwise.planner.validation import (collective_markdown, collective_table, markdown, memory_markdown,
+                                                  memory_table, table, vtrain_all, vtrain_summary)
 
         print(markdown(table()))
         print()
         print(vtrain_summary(vtrain_all()))
+        print()
+        print(collective_markdown(collective_table()))
         print()
         print(memory_markdown(memory_table()))
         return

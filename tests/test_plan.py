@@ -30,17 +30,24 @@ def test_hf_config(tmp_path):
         model(str(p))
 
 
-def test_collectives_run_level_by_level():
+def test_collectives_over_nodes_run_as_rings_at_the_slowest_level():
     c = cluster("dgx-h100:4")
     intra, inter = c.dims[0][1], c.dims[1][1]
     S = 1 << 30
     one_node = c.collective_s("all_gather", S, 8)
     assert one_node == pytest.approx(7 * intra.alpha + 7 / 8 * S / intra.busbw)
-    # 32 ranks: 8 inside each node on S, then 4 nodes on S/8 over the NICs
+    # 32 ranks: rings through every rank, each leaving its node through its own NIC, so the network
+    # level carries 8 NICs' worth (8 x 47 GB/s > NVLink's 370 GB/s: NVLink is the bottleneck);
+    # latency: 7 NVLink steps and 3 network steps
     both = c.collective_s("all_gather", S, 32)
-    assert both == pytest.approx(one_node + 3 * inter.alpha + 3 / 4 * (S / 8) / inter.busbw)
+    slowest = min(intra.busbw, 8 * inter.busbw)
+    assert both == pytest.approx(7 * intra.alpha + 3 * inter.alpha + 31 / 32 * S / slowest)
     assert c.collective_s("all_reduce", S, 32) == pytest.approx(2 * both)
-    # ranks 8 apart (tensor parallel filling each node): every step crosses the network
+    # nccl-tests#309 measured 366 GB/s all-reduce bus bandwidth on these 4 nodes; level by level on
+    # shrinking data (the model before) predicted 222
+    t = c.collective_s("all_reduce", 8 * S, 32)
+    assert abs(8 * S / t * 2 * 31 / 32 / 365.84e9 - 1) < 0.05
+    # ranks 8 apart (tensor parallel filling each node): every step crosses the network, one NIC each
     assert c.collective_s("all_gather", S, 4, inner=8) == pytest.approx(3 * inter.alpha + 3 / 4 * S / inter.busbw)
 
 
@@ -104,6 +111,19 @@ def test_predictions_hold_the_published_runs_within_10pct():
     assert len(ours) == 2 and not any(r["fitted"] for r in ours)
     for r in ours:
         assert abs(r["error"]) <= 0.10, r
+
+
+def test_collective_rows_hold_their_inputs_and_the_blind_multi_node_run():
+    from shardwise.planner.validation import collective_table
+
+    rows = {r["run"]: r for r in collective_table()}
+    for r in rows.values():
+        if r["input"]:  # the link constants were read off these: the formula must give them back
+            assert abs(r["error"]) < 0.01, r
+    assert abs(rows["4 nodes of 8 H100, NDR 8x400G, all-reduce"]["error"]) < 0.05
+    # NVLink SHARP (NVLS) all-reduce is not modelled: these stay ~22% low until it is
+    nvls = [r for k, r in rows.items() if "NVLS" in k or "H200, all-reduce" in k]
+    assert nvls and all(-0.3 < r["error"] < -0.15 for r in nvls)
 
 
 def test_vtrain_runs_blind_with_the_memory_bound_kernels_counted():

@@ -54,6 +54,12 @@ class ClusterSpec:
     name: str
     accel: Accelerator
     dims: tuple
+    rings: bool = True
+    """GPU clusters (NVLink inside a node, a network between nodes): NCCL runs a large collective as
+    rings through every rank of the group, each ring leaving a node through its own NIC, so the
+    bandwidth term is set by the slowest level, a network level counting every NIC of the node
+    (``busbw_d x ranks of the group inside one node``). TPU tori (False): axis by axis on shrinking
+    data (the multi-dimensional algorithm)."""
 
     @property
     def gpus(self) -> int:
@@ -102,16 +108,24 @@ class ClusterSpec:
 
     def collective_parts(self, kind: str, nbytes: float, group: int, inner: int = 1) -> tuple[float, float, float]:
         """(latency s, bandwidth s, latency-bearing steps) of a reduce-scatter, all-gather or
-        all-reduce run level by level (an all-reduce is a reduce-scatter and an all-gather)."""
+        all-reduce (an all-reduce is a reduce-scatter and an all-gather). Latency: each level's steps
+        at its α. Bandwidth: rings through the whole group at its slowest level's bus bandwidth (GPU
+        clusters, see ``rings``), or level by level on shrinking data (TPU tori)."""
         f = 2.0 if kind == "all_reduce" else 1.0
         lat = bw = steps = 0.0
         s = float(nbytes)
-        for n, lvl in self.levels(group, inner):
+        levels = self.levels(group, inner)
+        below, slowest = 1, float("inf")
+        for n, lvl in levels:
             if n > 1:
                 lat += f * (n - 1) * lvl.alpha
                 bw += f * (n - 1) / n * s / lvl.busbw
                 steps += f * (n - 1)
+                slowest = min(slowest, lvl.busbw * below)
             s /= n
+            below *= n
+        if self.rings and len([n for n, _ in levels if n > 1]) > 1:
+            bw = f * (group - 1) / group * nbytes / slowest
         return lat, bw, steps
 
     def __str__(self) -> str:
@@ -170,7 +184,7 @@ def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
     # along an axis with a wraparound link a ring sends both ways: twice the link's one-way bandwidth
     dims = tuple((n, Level(f"ICI {'torus' if n % full == 0 else 'line'}", link * (2 if n % full == 0 else 1),
                            ICI_HOP_S)) for n in sizes)
-    return ClusterSpec(spec, accel, dims)
+    return ClusterSpec(spec, accel, dims, rings=False)
 
 
 def cluster(spec: str) -> ClusterSpec:

@@ -120,6 +120,62 @@ def vtrain_summary(rows: list[dict]) -> str:
 
 
 @dataclass(frozen=True)
+class CollectiveRun:
+    """A published nccl-tests bus bandwidth against the planner's collective model (clusters.py)."""
+
+    label: str
+    cluster: str
+    kind: str
+    gpus: int
+    measured_busbw: float
+    """nccl-tests' busbw, bytes/s, at its largest messages."""
+    source: str
+    input: bool = False
+    """The figure the planner's link constant was taken from (not a prediction)."""
+
+
+def _busbw_factor(kind: str, n: int) -> float:
+    return 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+
+
+COLLECTIVE_RUNS: list[CollectiveRun] = [
+    CollectiveRun("8 H100, NVLink4/NVSwitch, ring all-reduce (and reduce-scatter, all-gather)", "dgx-h100:1",
+                  "all_reduce", 8, 370e9, "NVIDIA/nccl-tests#212", input=True),
+    CollectiveRun("8 H100, NVLink4/NVSwitch, NVLS all-reduce", "dgx-h100:1", "all_reduce", 8, 480e9,
+                  "NVIDIA/nccl-tests#212, #309"),
+    CollectiveRun("8 H200, all-reduce (NCCL 2.20.3)", "dgx-h200:1", "all_reduce", 8, 475e9, "NVIDIA/nccl-tests#272"),
+    CollectiveRun("2 nodes of 8 H100, NDR 8x400G, all-reduce (NVLSTree)", "dgx-h100:2", "all_reduce", 16, 470e9,
+                  "NVIDIA/nccl-tests#309"),
+    CollectiveRun("4 nodes of 8 H100, NDR 8x400G, all-reduce", "dgx-h100:4", "all_reduce", 32, 365.84e9,
+                  "NVIDIA/nccl-tests#309"),
+    CollectiveRun("8 A100, NVLink3/NVSwitch, all-reduce at 1 GiB", "dgx-a100:1", "all_reduce", 8, 229e9,
+                  "VIA-Research/vTrain trace/a100/AR_GPU8_1M_1024M_LUT", input=True),
+    CollectiveRun("2 H200, NV18, all-gather (ours, `shardwise calibrate`)", "h200-nv18-x2:1", "all_gather", 2,
+                  279.5e9, "bench/results/2026-11-30-h200x2-nccl-link.json", input=True),
+]
+
+
+def collective_table(runs: list[CollectiveRun] = COLLECTIVE_RUNS, nbytes: float = 8 * 2**30) -> list[dict]:
+    """Predicted bus bandwidth (``nbytes`` / predicted time x nccl-tests' bus factor) per run."""
+    rows = []
+    for r in runs:
+        t = cluster(r.cluster).collective_s(r.kind, nbytes, r.gpus)
+        pred = nbytes / t * _busbw_factor(r.kind, r.gpus)
+        rows.append({"run": r.label, "measured_gbs": r.measured_busbw / 1e9, "predicted_gbs": pred / 1e9,
+                     "error": pred / r.measured_busbw - 1, "input": r.input, "source": r.source})
+    return rows
+
+
+def collective_markdown(rows: list[dict]) -> str:
+    lines = ["| collective (bus bandwidth) | measured GB/s | predicted | error | input or blind | source |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['measured_gbs']:.0f} | {r['predicted_gbs']:.0f} | {r['error']:+.1%} | "
+                     f"{'input' if r['input'] else 'blind'} | {r['source']} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class MemoryRun:
     label: str
     model: ModelSpec
