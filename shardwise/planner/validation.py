@@ -167,12 +167,9 @@ def collective_table(runs: list[CollectiveRun] = COLLECTIVE_RUNS, nbytes: float 
 
 
 def collective_markdown(rows: list[dict]) -> str:
-    lines = ["| collective (bus bandwidth) | measured GB/s | predicted | error | input or blind | source |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['run']} | {r['measured_gbs']:.0f} | {r['predicted_gbs']:.0f} | {r['error']:+.1%} | "
-                     f"{'input' if r['input'] else 'blind'} | {r['source']} |")
-    return "\n".join(lines)
+    return _table(["collective (bus bandwidth)", "measured GB/s", "predicted", "error", "input or blind", "source"],
+                  [[r["run"], f"{r['measured_gbs']:.0f}", f"{r['predicted_gbs']:.0f}", f"{r['error']:+.1%}",
+                    "input" if r["input"] else "blind", r["source"]] for r in rows])
 
 
 @dataclass(frozen=True)
@@ -214,12 +211,9 @@ def memory_table(runs: list[MemoryRun] = MEMORY_RUNS) -> list[dict]:
 
 
 def memory_markdown(rows: list[dict]) -> str:
-    lines = ["| run (peak memory per GPU) | measured GB | predicted GB (activations) | error | source |",
-             "| --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['run']} | {r['measured_gb']:.2f} | {r['predicted_gb']:.2f} ({r['activations_gb']:.2f}) | "
-                     f"{r['error']:+.1%} | {r['source']} |")
-    return "\n".join(lines)
+    return _table(["run (peak memory per GPU)", "measured GB", "predicted GB (activations)", "error", "source"],
+                  [[r["run"], f"{r['measured_gb']:.2f}", f"{r['predicted_gb']:.2f} ({r['activations_gb']:.2f})",
+                    f"{r['error']:+.1%}", r["source"]] for r in rows])
 
 
 def table(runs: list[Run] = RUNS) -> list[dict]:
@@ -232,9 +226,12 @@ def table(runs: list[Run] = RUNS) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| run | measured s/step | predicted | error | fitted or blind | source |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['run']} | {r['measured_s']:.4g} | {r['predicted_s']:.4g} | {r['error']:+.1%} | "
-                     f"{'fitted' if r['fitted'] else 'blind'} | {r['source']} |")
-    return "\n".join(lines)
+    return _table(["run", "measured s/step", "predicted", "error", "fitted or blind", "source"],
+                  [[r["run"], f"{r['measured_s']:.4g}", f"{r['predicted_s']:.4g}", f"{r['error']:+.1%}",
+                    "fitted" if r["fitted"] else "blind", r["source"]] for r in rows])
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
