@@ -36,8 +36,9 @@ class Accelerator:
     al. 2022 (the 22B and 175B models with selective recomputation, Table 5); with the memory-bound
     kernels counted on their own (``mem_eff``, models.ModelSpec.elementwise_bytes) the fit wants no
     dependence on the width (``eff_x0`` = 0; without them it was 0.71·x/(x+291)). H100 and H200 have
-    their ``eff_max`` fitted on one run of ours (``HOPPER_EFF_MAX``); TPUs use the A100's until runs
-    of theirs are fitted. Every other run in the validation table is predicted blind."""
+    their ``eff_max`` fitted on one run of ours (``HOPPER_EFF_MAX``), TPU v5p on one of MaxText's; the
+    other TPUs use the A100's until runs of theirs are fitted. Every other run in the validation table
+    is predicted blind."""
     mem_eff: float = 0.8
     """Share of ``hbm_bw`` the memory-bound kernels reach (an assumption, not fitted)."""
 
@@ -166,7 +167,8 @@ NODES = {
 # bandwidth per link, torus rank, the axis length that carries a wraparound link (a full axis)
 TPUS = {
     "tpu-v4": (Accelerator("TPU v4", 275e12, 32e9, 1.2e12), 4.5e10, 3, 4),
-    "tpu-v5p": (Accelerator("TPU v5p", 459e12, 95e9, 2.76e12), 9e10, 3, 4),
+    # v5p's share fitted on one run: MaxText's 32B model on v5p-128 (validation.py); the others use the A100's
+    "tpu-v5p": (Accelerator("TPU v5p", 459e12, 95e9, 2.76e12, eff_max=0.753), 9e10, 3, 4),
     "tpu-v5e": (Accelerator("TPU v5e", 197e12, 16e9, 0.82e12), 5e10, 2, 16),
     "tpu-v6e": (Accelerator("TPU v6e", 918e12, 32e9, 1.64e12), 1e11, 2, 16),
 }

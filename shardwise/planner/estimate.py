@@ -10,7 +10,8 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
   models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth;
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
   forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
-  same bytes), two more under full recomputation; not overlapped (Megatron's default);
+  same bytes), two more under full recomputation; not overlapped (Megatron's default) unless
+  ``tp_exposed`` says what share stays exposed (XLA on TPUs overlaps it);
 - pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute;
 - data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the
   updated shards; zero 3 adds the forward and backward all-gathers), overlapped with the backward
@@ -58,6 +59,9 @@ class Strategy:
     per-GPU matrix width (clusters.Accelerator.efficiency)."""
     dp_exposed: float = 0.1
     """Share of the data-parallel communication not hidden behind the backward."""
+    tp_exposed: float = 1.0
+    """Share of the tensor-parallel communication not hidden: all of it in Megatron's default; XLA on
+    TPUs overlaps it with the matrix products (collective matmul, async collective fusion)."""
     fused_attention: bool = True
     """Flash-style attention: the s x s scores are not kept for the backward (Megatron's 2022 runs
     kept them unless recomputed)."""
@@ -102,9 +106,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     gpus = cluster.gpus
     if gpus % (st.tp * st.pp):
         raise ValueError(f"tp x pp = {st.tp * st.pp} does not divide the {gpus} GPUs of {cluster.name}")
-    if st.tp > cluster.per_node:
-        raise ValueError(f"tp={st.tp} spans nodes ({cluster.per_node} GPUs per node, or along a TPU slice's first "
-                         "axis): keep tensor parallel inside a node")
+    if cluster.rings and st.tp > cluster.per_node:
+        raise ValueError(f"tp={st.tp} spans nodes ({cluster.per_node} GPUs per node): keep tensor parallel "
+                         "inside a node")
+    if not cluster.rings:
+        cluster.levels(st.tp)  # a TPU slice: tensor parallel over the leading torus axes, which must hold it
     if model.layers < st.pp * st.virtual:
         raise ValueError(f"{model.layers} layers cannot fill pp x virtual = {st.pp * st.virtual} stages")
     dp = gpus // (st.tp * st.pp)
@@ -172,7 +178,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     opt_params = dense_params / z(1, dp) + expert_params / z(1, dp // st.ep)
     optimizer = 28.0 * opt_params / acc.hbm_bw
 
-    step = compute + tp_comm + ep_comm + bubble + dp_exposed + optimizer
+    step = compute + st.tp_exposed * tp_comm + ep_comm + bubble + dp_exposed + optimizer
 
     # memory per GPU
     weights = 2.0 * (dense_params / z(3, dp) + expert_params / z(3, dp // st.ep))
@@ -199,7 +205,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
         f"= {g(elementwise)} s; compute = {g(compute)} s",
         f"tensor parallel = {per_layer} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
-        f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s",
+        f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {st.tp_exposed:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed {st.dp_exposed:.0%} = {g(dp_exposed)} s",

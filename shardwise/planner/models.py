@@ -29,14 +29,22 @@ class ModelSpec:
     """Rows of a learned position embedding (GPT-3), 0 for rotary."""
     dropout: bool = False
     """Dropout after attention and MLP (GPT-3, Megatron's GPT): its masks are kept for the backward."""
+    head_size: int = 0
+    """Width of one attention head; 0: hidden / heads. MaxText's scaled models keep 128 while the
+    head count grows faster than the width, so their queries are wider than the model."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output (heads x head size)."""
+        return self.heads * self.head_dim
 
     def attention_params(self) -> int:
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        return h * h + 2 * h * kv + h * h + (2 * h + 2 * kv if self.bias else 0)
+        h, q, kv = self.hidden, self.q_dim, self.kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + (q + h + 2 * kv if self.bias else 0)
 
     def expert_params(self) -> int:
         """One MLP (one expert of an MoE layer)."""
@@ -67,10 +75,11 @@ class ModelSpec:
 
     def flops_per_token(self, seq: int | None = None) -> float:
         """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is
-        no multiply; a tied head still is one) plus 12·L·d·T for attention (PaLM's formula)."""
+        no multiply; a tied head still is one) plus 12·L·d·T for attention (PaLM's formula; d the
+        query width, heads x head size)."""
         seq = seq or self.seq
         matmul = self.layers * (self.layer_params(True) - 2 * self.hidden) + self.vocab * self.hidden
-        return 6.0 * matmul + 12.0 * self.layers * self.hidden * seq
+        return 6.0 * matmul + 12.0 * self.layers * self.q_dim * seq
 
     def layer_activation_bytes(self, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                                recompute: str = "none", fused_attention: bool = True) -> float:
@@ -91,7 +100,7 @@ class ModelSpec:
             return 2.0 * sbh / tp
         kv = self.kv_heads * self.head_dim
         whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
-        split = 4.0 * sbh + 4.0 * sb * kv + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k
+        split = 4.0 * sb * self.q_dim + 4.0 * sb * kv + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k
         if recompute == "none" and not fused_attention:
             split += 5.0 * self.heads * seq * sb
         return (whole + split) / tp if sp else whole + split / tp

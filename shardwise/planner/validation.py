@@ -24,6 +24,34 @@ TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 
 LLAMA_1B = ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048)
 
 
+MAXTEXT = "MaxText, MaxText/configs/v5p/README.md and the v5p/<size>.sh configs (github.com/AI-Hypercomputer/" \
+          "maxtext): TFLOP/s per chip at sequence 2048, FSDP with tensor parallelism, flash attention, synthetic data"
+
+
+def _maxtext(scale: int) -> ModelSpec:
+    # MaxText's base model (width 2048, 16 heads of 128, MLP 7168 gated, 16 layers, vocabulary 32000,
+    # untied) grown by global_parameter_scale: each factor of 8 doubles heads and MLP, width, layers
+    e, r = divmod(scale.bit_length() - 1, 3)
+    heads, mlp, emb, layers = 2 ** (e + (r > 0)), 2 ** (e + (r > 0)), 2 ** (e + (r > 1)), 2 ** e
+    return ModelSpec(f"maxtext-{scale}", 16 * layers, 2048 * emb, 16 * heads, 16 * heads, 7168 * mlp, 32000,
+                     seq=2048, head_size=128)
+
+
+def _v5p(label: str, scale: int, slice_: str, per_chip: int, remat: str, tp: int, tflops: float,
+         fitted: bool = False) -> "Run":
+    m = _maxtext(scale)
+    chips = cluster(f"tpu-v5p:{slice_}").gpus
+    # measured seconds per step: the chip's tokens x model FLOPs per token / its measured FLOP rate
+    # (MaxText counts FLOPs as the planner does: 6 per weight and token + 12·L·(heads·head size)·T)
+    step = per_chip * 2048 * m.flops_per_token(2048) / (tflops * 1e12)
+    return Run(f"{label} on TPU v5p {slice_} ({chips} chips), tp={tp} + FSDP, {per_chip}x2048 per chip, "
+               f"{remat} remat", m, f"tpu-v5p:{slice_}",
+               # MaxText's batch is per chip over all chips: a tensor-parallel group of tp chips runs tp x that
+               Strategy(tp=tp, zero=3, micro_batch=per_chip * tp, global_batch=per_chip * chips, seq=2048,
+                        recompute="selective" if remat == "minimal" else "full", tp_exposed=0.1), step, MAXTEXT,
+               fitted=fitted)
+
+
 def _titan(gpus: int, compiled: bool, tps: float) -> "Run":
     # tokens/s per GPU at 2 sequences of 8192 per GPU -> seconds per step
     return Run(f"Llama 3.1 8B, {gpus} H100 (500 W), FSDP{' + torch.compile' if compiled else ' eager'}, 2x8192 per GPU",
@@ -83,6 +111,9 @@ RUNS: list[Run] = [
         LLAMA_1B, "h200-nv18-x2:1", Strategy(zero=2, micro_batch=4, global_batch=8, recompute="none"), 0.1244,
         OURS_H200X2),
     _titan(8, True, 6667), _titan(8, False, 5762), _titan(128, True, 6514), _titan(128, False, 5605),
+    _v5p("32B", 32, "4x4x4", 7, "minimal", 4, 328, fitted=True), _v5p("64B", 64, "4x4x4", 3, "minimal", 4, 323),
+    _v5p("128B", 128, "4x4x8", 1, "minimal", 8, 315), _v5p("128B", 128, "4x8x8", 1, "minimal", 8, 316),
+    _v5p("256B", 256, "8x8x8", 1, "minimal", 8, 308), _v5p("512B", 512, "8x8x8", 2, "full", 8, 294),
 ]
 
 
