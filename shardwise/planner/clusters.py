@@ -20,6 +20,10 @@ class Level:
     """Bytes/s per rank (ring bus bandwidth within the level; NIC bandwidth across nodes)."""
     alpha: float
     """Seconds per step of the algorithm at this level."""
+    nvls_algbw: float | None = None
+    """NVSwitch with NVLink SHARP: an all-reduce within this level reduces in the switch at this
+    algorithm bandwidth (bytes/s of the whole buffer) when that beats the ring; NCCL's default on
+    H100/H200 NVSwitch nodes."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,11 @@ class ClusterSpec:
                 slowest = min(slowest, lvl.busbw * below)
             s /= n
             below *= n
-        if self.rings and len([n for n, _ in levels if n > 1]) > 1:
+        spanned = [(n, lvl) for n, lvl in levels if n > 1]
+        if self.rings and len(spanned) > 1:
             bw = f * (group - 1) / group * nbytes / slowest
+        elif kind == "all_reduce" and len(spanned) == 1 and spanned[0][1].nvls_algbw:
+            bw = min(bw, nbytes / spanned[0][1].nvls_algbw)
         return lat, bw, steps
 
     def __str__(self) -> str:
@@ -144,7 +151,8 @@ H200 = Accelerator("H200 SXM", 989e12, 141e9, 4.8e12, eff_max=HOPPER_EFF_MAX)
 A100 = Accelerator("A100 SXM 80GB", 312e12, 80e9, 2.0e12)
 
 # bus bandwidths and latencies: shared/notes/cost-models.md §2 (nccl-tests issues; NCCL's tuning constants)
-NVLINK4 = Level("NVLink4/NVSwitch", 370e9, 3.4e-6)    # ring busbw ~370 GB/s on 8xH100 (nccl-tests#212)
+# ring busbw ~370 GB/s on 8xH100; NVLS all-reduce algbw ~275 GB/s (busbw ~480) (nccl-tests#212)
+NVLINK4 = Level("NVLink4/NVSwitch", 370e9, 3.4e-6, nvls_algbw=275e9)
 NVLINK3 = Level("NVLink3/NVSwitch", 229e9, 3.4e-6)    # 8xA100 all-reduce at 1 GiB (vTrain LUT)
 IB_NDR = Level("InfiniBand NDR 400G", 47e9, 14e-6)    # 46-48 GB/s per CX-7 NIC (nccl-tests#290)
 IB_HDR = Level("InfiniBand HDR 200G", 24e9, 14e-6)    # per NIC (nccl-tests#119)

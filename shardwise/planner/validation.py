@@ -170,10 +170,10 @@ def _busbw_factor(kind: str, n: int) -> float:
 
 
 COLLECTIVE_RUNS: list[CollectiveRun] = [
-    CollectiveRun("8 H100, NVLink4/NVSwitch, ring all-reduce (and reduce-scatter, all-gather)", "dgx-h100:1",
-                  "all_reduce", 8, 370e9, "NVIDIA/nccl-tests#212", input=True),
+    CollectiveRun("8 H100, NVLink4/NVSwitch, ring reduce-scatter (and all-gather, ring all-reduce)", "dgx-h100:1",
+                  "reduce_scatter", 8, 370e9, "NVIDIA/nccl-tests#212", input=True),
     CollectiveRun("8 H100, NVLink4/NVSwitch, NVLS all-reduce", "dgx-h100:1", "all_reduce", 8, 480e9,
-                  "NVIDIA/nccl-tests#212, #309"),
+                  "NVIDIA/nccl-tests#212, #309", input=True),
     CollectiveRun("8 H200, all-reduce (NCCL 2.20.3)", "dgx-h200:1", "all_reduce", 8, 475e9, "NVIDIA/nccl-tests#272"),
     CollectiveRun("2 nodes of 8 H100, NDR 8x400G, all-reduce (NVLSTree)", "dgx-h100:2", "all_reduce", 16, 470e9,
                   "NVIDIA/nccl-tests#309"),
