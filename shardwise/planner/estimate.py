@@ -59,9 +59,10 @@ class Strategy:
     per-GPU matrix width (clusters.Accelerator.efficiency)."""
     dp_exposed: float = 0.1
     """Share of the data-parallel communication not hidden behind the backward."""
-    tp_exposed: float = 1.0
-    """Share of the tensor-parallel communication not hidden: all of it in Megatron's default; XLA on
-    TPUs overlaps it with the matrix products (collective matmul, async collective fusion)."""
+    tp_exposed: float | None = None
+    """Share of the tensor-parallel communication not hidden; None: all of it on GPU clusters
+    (Megatron's default), ``dp_exposed``'s share on TPUs, where XLA overlaps it with the matrix
+    products (collective matmul, async collective fusion)."""
     fused_attention: bool = True
     """Flash-style attention: the s x s scores are not kept for the backward (Megatron's 2022 runs
     kept them unless recomputed)."""
@@ -84,6 +85,7 @@ class Estimate:
     step_s: float
     compute_s: float
     tp_comm_s: float
+    tp_exposed_s: float
     ep_comm_s: float
     pp_bubble_s: float
     dp_comm_s: float
@@ -178,7 +180,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     opt_params = dense_params / z(1, dp) + expert_params / z(1, dp // st.ep)
     optimizer = 28.0 * opt_params / acc.hbm_bw
 
-    step = compute + st.tp_exposed * tp_comm + ep_comm + bubble + dp_exposed + optimizer
+    tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else st.dp_exposed)
+    step = compute + tp_share * tp_comm + ep_comm + bubble + dp_exposed + optimizer
 
     # memory per GPU
     weights = 2.0 * (dense_params / z(3, dp) + expert_params / z(3, dp // st.ep))
@@ -205,7 +208,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
         f"= {g(elementwise)} s; compute = {g(compute)} s",
         f"tensor parallel = {per_layer} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
-        f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {st.tp_exposed:.0%}",
+        f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed {st.dp_exposed:.0%} = {g(dp_exposed)} s",
@@ -220,6 +223,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         formulas.insert(4, f"expert parallel = {per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
                            f"{st.ep} ranks = {g(ep_comm)} s")
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
+                    tp_exposed_s=tp_share * tp_comm,
                     ep_comm_s=ep_comm,
                     pp_bubble_s=bubble, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
                     tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,

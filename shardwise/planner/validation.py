@@ -48,7 +48,7 @@ def _v5p(label: str, scale: int, slice_: str, per_chip: int, remat: str, tp: int
                f"{remat} remat", m, f"tpu-v5p:{slice_}",
                # MaxText's batch is per chip over all chips: a tensor-parallel group of tp chips runs tp x that
                Strategy(tp=tp, zero=3, micro_batch=per_chip * tp, global_batch=per_chip * chips, seq=2048,
-                        recompute="selective" if remat == "minimal" else "full", tp_exposed=0.1), step, MAXTEXT,
+                        recompute="selective" if remat == "minimal" else "full"), step, MAXTEXT,
                fitted=fitted)
 
 
