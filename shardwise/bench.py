@@ -298,12 +298,14 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         warmup = max(warmup, getattr(init_z3, "WARMUP", 5) + 2)
     for i in range(warmup):
         step(batches[i % len(batches)])
+    row["warmup_steps"] = warmup
     if system.startswith("shardwise"):
         # the warm-up also holds the steps that decide the plan (offload residency, a budget's check)
         # and a step that times the update of the plan made
         while (job._residency_pending or (job.memory_budget is not None and job.steps < job.replan_at)
                or job.last_optimizer_s is None):
             step(batches[0])
+            row["warmup_steps"] += 1
         try:
             job.profile_compute(batches[0])
         except torch.OutOfMemoryError:  # node-by-node timing runs unfused: more memory than the step
@@ -351,8 +353,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
                 else _cpu_peak(lambda: step(b), model, opt)
             row["peak_mem_gb"] = None if peak is None else peak / 1e9
         trace = None
-        if cfg.trace_dir and rank == 0:
-            os.makedirs(cfg.trace_dir, exist_ok=True)
+        if cfg.trace_dir and rank == 0:  # the directory was made before the first system (bench())
             trace = os.path.join(cfg.trace_dir, system.replace(":", "_").replace("=", "").replace("+", "_") + ".json.gz")
         _, meas = profiled(lambda: step(batches[-1]), device, trace=trace)
         if device.type == "cuda" or system.startswith("shardwise"):
@@ -372,7 +373,7 @@ def _memory_sites(fn, device) -> dict:
     from .runtime.memory import live_at_peak
 
     torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_stats(device).get("requested_bytes.all.current", 0)
     torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     try:
@@ -382,7 +383,11 @@ def _memory_sites(fn, device) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     live = live_at_peak(snap["device_traces"][device.index], base)
-    return {"peak_gb": live["peak"] / 1e9, "max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+    stats = torch.cuda.memory_stats(device)
+    # the trace's peak counts requested sizes, as requested_bytes does; max_memory_allocated rounds
+    # each block up to the allocator's sizes
+    return {"peak_gb": live["peak"] / 1e9, "requested_peak_gb": stats.get("requested_bytes.all.peak", 0) / 1e9,
+            "max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
             "before_step_gb": live["before"] / 1e9,
             "sites": [[site, round(b / 1e9, 4), n] for site, b, n in live["sites"]]}
 
@@ -441,22 +446,15 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
            "command": command or " ".join(sys.argv), "config": {**asdict(cfg), "ranks": ws}, "results": []}
     bad = [""]
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        if append and os.path.exists(path):
-            with open(path) as f:
-                old = json.load(f)
-            # settings that are not part of what is measured may differ; a setting an older record
-            # lacks counts as its default
-            ignore = {"systems", "trace_dir", "memory_sites"}
-            defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
-            keys = (set(old["config"]) | set(rec["config"])) - ignore
-            if any(old["config"].get(k, defaults.get(k)) != rec["config"].get(k, defaults.get(k)) for k in keys):
-                bad[0] = f"bench --append: {path} was made with another configuration: {old['config']}"
-            else:
-                rec["config"]["systems"] = old["config"]["systems"] + rec["config"]["systems"]
-                rec["results"] = old["results"]
-                rec["command"] = old["command"] + " ; " + rec["command"]
-                rec["date"] = old["date"]
+        # whatever goes wrong here is told to every rank before any of them starts a system
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            if cfg.trace_dir:
+                os.makedirs(cfg.trace_dir, exist_ok=True)
+            if append and os.path.exists(path):
+                bad[0] = _append_to(path, rec)
+        except Exception as e:  # noqa: BLE001
+            bad[0] = f"bench: {type(e).__name__}: {e}"
     dist.broadcast_object_list(bad, src=0, group=ctrl)  # every rank stops, not rank 0 alone
     if bad[0]:
         raise ValueError(bad[0])
@@ -496,6 +494,29 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
     except ImportError as e:
         print(f"wrote {path}; no plot: {e} (pip install matplotlib)", flush=True)
     return rec
+
+
+def _append_to(path: str, rec: dict) -> str:
+    """Fold the record at ``path`` into ``rec`` (its rows first); returns why it cannot be, or ""."""
+    with open(path) as f:
+        old = json.load(f)
+    try:
+        cfg, rows, command, date = old["config"], old["results"], old["command"], old["date"]
+        systems = cfg["systems"]
+    except (KeyError, TypeError):
+        return f"bench --append: {path} is not a bench record (no config, results, command or date)"
+    # settings that are not part of what is measured may differ; a setting an older record lacks
+    # counts as its default
+    ignore = {"systems", "trace_dir", "memory_sites"}
+    defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
+    keys = (set(cfg) | set(rec["config"])) - ignore
+    if any(cfg.get(k, defaults.get(k)) != rec["config"].get(k, defaults.get(k)) for k in keys):
+        return f"bench --append: {path} was made with another configuration: {cfg}"
+    rec["config"]["systems"] = systems + rec["config"]["systems"]
+    rec["results"] = rows
+    rec["command"] = command + " ; " + rec["command"]
+    rec["date"] = date
+    return ""
 
 
 def _over_ceiling(rows: list[dict]) -> bool:

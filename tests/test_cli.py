@@ -138,6 +138,15 @@ def test_bench_writes_json_and_plot(tmp_path):
                         "--append"], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "another configuration" in p.stdout + p.stderr
     assert (tmp_path / "t.json").read_text() == before
+    # a file that is not a bench record, or a trace directory that cannot be made, stops every rank
+    # before any system runs (neither leaves a rank waiting in a collective)
+    (tmp_path / "u.json").write_text("{}")
+    for extra in (["--name", "u", "--append"], ["--name", "v", "--trace-dir", str(tmp_path / "u.json")]):
+        p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--model", "gpt", "--size", "tiny",
+                            "--nproc", "2", "--systems", "ddp", "--out", str(tmp_path), *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and ("not a bench record" in p.stdout + p.stderr
+                                      or "FileExistsError" in p.stdout + p.stderr), p.stdout + p.stderr
 
 
 def test_bench_rejects_unknown_systems_and_options():

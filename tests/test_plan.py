@@ -135,6 +135,10 @@ def test_wide_heads_and_tensor_parallel_across_torus_axes():
     assert est.tp_comm_s > 0
     with pytest.raises(ValueError, match="inside a node"):
         estimate(m, cluster("dgx-h100:16"), Strategy(tp=16, zero=3, seq=2048))
+    # groups must tile the torus: 8 ranks do not fit a 3-long axis, nor 12 a 4 x 4 x 12 slice's first two
+    for spec, tp in (("tpu-v5p:3x4x4", 8), ("tpu-v5p:4x4x12", 12)):
+        with pytest.raises(ValueError, match="do not tile"):
+            estimate(m, cluster(spec), Strategy(tp=tp, zero=3, micro_batch=tp, seq=2048))
 
 
 def test_collective_rows_hold_their_inputs_and_the_blind_multi_node_run():

@@ -138,33 +138,30 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
 def optimizer_transient(opt: torch.optim.Optimizer) -> int:
     """Bytes the optimizer's step allocates for itself on top of its state (a model, not a measure).
 
-    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — builds one whole-list
-    temporary there, the bias-corrected ``sqrt(v)`` (every other update is in place), plus a copy of
-    the gradients when Adam folds an L2 weight decay into them or ``maximize`` negates them. On an
-    H200 (1.1B Llama, one rank) the measured peak ruled out a second list: it stayed 1.6 GB under
-    resident state + gradients + two lists. On a CPU the foreach ops fall back to per-tensor code
-    that holds two lists (measured with MemTracker). The single-tensor loop — the CPU default —
-    holds two temporaries of one parameter at a time. Other optimizers are modelled as Adam.
+    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — holds one whole-list
+    temporary at a time: the bias-corrected ``sqrt(v)``. Every other update is in place, and the
+    gradient copy that L2 decay or ``maximize`` makes is dropped before that list is built
+    (torch/optim/adam.py, ``_multi_tensor_adam``). On an H200 (1.1B Llama, one rank) the measured
+    peak ruled out a second list. The single-tensor loop — the CPU default — holds two temporaries
+    of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam.
     """
     ps = [p for g in opt.param_groups for p in g["params"]]
     if not ps:
         return 0
-    return _step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults,
-                             isinstance(opt, torch.optim.AdamW), ps[0].device.type)
+    return _step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults, ps[0].device.type)
 
 
-def _step_temporaries(per: list[int], d: dict, adamw: bool, device: str) -> int:
+def _step_temporaries(per: list[int], d: dict, device: str) -> int:
     if d.get("fused"):
         return 0
     foreach = d.get("foreach")
     if foreach is None:
         foreach = device == "cuda"
-    if not foreach:
-        return 2 * max(per)
-    if device != "cuda":
-        return 2 * sum(per)
-    grads_copied = d.get("maximize") or (d.get("weight_decay") and not adamw and not d.get("decoupled_weight_decay"))
-    return (2 if grads_copied else 1) * sum(per)
+    if foreach:
+        return sum(per)
+    # the loop: sqrt(v) and its bias-corrected copy of one parameter, while the previous parameter's
+    # denominator is still held by its loop variable
+    return max(2 * n + (per[i - 1] if i else 0) for i, n in enumerate(per))
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:

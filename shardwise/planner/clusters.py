@@ -89,7 +89,11 @@ class ClusterSpec:
             if stride >= size:  # this dimension lies inside one group of the inner axes
                 stride //= size
                 continue
-            n = min(left, size // stride)
+            room = size // stride
+            n = min(left, room)
+            if not self.rings and (left % n or room % n):  # on a torus, groups must tile the axes
+                raise ValueError(f"{self.name}: groups of {group} ranks {inner} apart do not tile its "
+                                 f"{' x '.join(str(d) for d, _ in self.dims)} layout")
             stride = 1
             out.append((n, lvl))
             left //= n

@@ -130,7 +130,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # compute: the model's FLOPs (+ one forward of the layers under full recomputation, + attention
     # under selective) spread over every GPU
     fpt = model.flops_per_token(seq)
-    extra = {"none": 0.0, "selective": 4.0 * L * h * seq, "full": fpt / 3.0}[st.recompute]
+    extra = {"none": 0.0, "selective": 4.0 * L * model.q_dim * seq, "full": fpt / 3.0}[st.recompute]
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's

@@ -117,7 +117,7 @@ class ModelSpec:
           writes one (6·ffn; MoE: per routed expert); split over ``tp``;
         - forward, attention scores when not fused (flash attention has none): the score matmul's
           write, softmax's read and write, dropout's read, write and mask, the value matmul's read:
-          13·a·s bytes (a heads, s the sequence), split over ``tp``;
+          13·a·s bytes (a heads, s the sequence; 8·a·s without dropout), split over ``tp``;
         - the backward moves about twice the forward; full recomputation adds one forward, selective
           recomputation one forward of the attention scores.
 
@@ -126,7 +126,7 @@ class ModelSpec:
         h = self.hidden
         hidden = (2 * 4 + 2 * (7 if self.dropout else 6)) * h / (tp if sp else 1)
         act = (6.0 if self.gated else 4.0) * self.ffn * self.top_k / tp
-        scores = 0.0 if fused_attention else 13.0 * self.heads * seq / tp
+        scores = 0.0 if fused_attention else (13.0 if self.dropout else 8.0) * self.heads * seq / tp
         fwd_e, fwd_s = hidden + act, scores
         return (fwd_e * (3 + (recompute == "full")) + fwd_s * (3 + (recompute in ("full", "selective"))))
 
@@ -162,7 +162,8 @@ def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
     return ModelSpec(name or c.get("_name_or_path") or c.get("model_type", "hf-model"), layers, hidden, heads,
                      c.get("num_key_value_heads", heads), ffn, vocab, seq=c.get("max_position_embeddings", 4096),
                      tied=bool(c.get("tie_word_embeddings", False)), experts=c.get("num_local_experts", 1),
-                     top_k=c.get("num_experts_per_tok", 1), bias=bool(c.get("attention_bias", False)))
+                     top_k=c.get("num_experts_per_tok", 1), bias=bool(c.get("attention_bias", False)),
+                     head_size=c.get("head_dim") or 0)
 
 
 def model(name_or_path: str) -> ModelSpec:

@@ -125,7 +125,7 @@ def vtrain_all() -> list[dict]:
 
     path = os.path.join(os.path.dirname(__file__), "data", "vtrain_ground_truth_multi.csv")
     rows = []
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         for r in csv.DictReader(f):
             n = {k: r[k] for k in r}
             t, p, g = int(n["tensor parallelism"]), int(n["pipeline parallelism"]), int(n["# GPUs"])

@@ -60,9 +60,11 @@ def live_at_peak(trace: list[dict], baseline: int, top: int = 25) -> dict:
 
     ``trace`` is one device's event list from ``torch.cuda.memory._snapshot()["device_traces"]``
     (recording started with ``torch.cuda.memory._record_memory_history``); ``baseline`` the bytes
-    allocated when recording started. A block counts from its ``alloc`` to its ``free_completed``
-    (a block freed while another stream still used it stays taken until then, as in
-    ``max_memory_allocated``). Blocks older than the recording are the ``before the step`` group.
+    requested and not yet freed when recording started (``memory_stats()["requested_bytes.all.current"]``).
+    A block counts from its ``alloc`` to its ``free_requested``, in the sizes the trace records (the
+    requested ones), as the allocator's ``requested_bytes`` statistic counts it;
+    ``max_memory_allocated`` counts the same blocks rounded up to the allocator's block sizes. Blocks
+    older than the recording are the ``before the step`` group.
     Returns {peak, before, sites: [(site, bytes, blocks)] largest first}.
     """
     live: dict[int, tuple[int, str]] = {}
@@ -77,7 +79,7 @@ def live_at_peak(trace: list[dict], baseline: int, top: int = 25) -> dict:
             cur += size
             if cur > peak:
                 peak, at_peak, peak_before = cur, dict(live), before
-        elif act == "free_completed":
+        elif act == "free_requested":
             if addr in live:
                 live.pop(addr)
             else:
