@@ -299,3 +299,17 @@ def test_expert_parallel_spreads_the_experts_and_adds_all_to_alls():
         estimate(m, c, Strategy(ep=3, **base))
     with pytest.raises(ValueError, match="experts"):
         estimate(MODELS["llama3-8b"], c, Strategy(ep=2, **base))
+
+
+def test_per_op_selective_checkpointing_keeps_half_the_products_and_recomputes_the_rest():
+    # torchtitan's default policy: the layer input, Q, V, the attention output and the MLP's first and
+    # last products kept; the other half of the layer's forward products recomputed in the backward
+    m, c = MODELS["llama3-8b"], cluster("dgx-h100:1")
+    s, b, h, kv, ffn = 8192, 2, 4096, 1024, 14336
+    assert m.layer_activation_bytes(s, b, recompute="selective-op") == 2 * s * b * (2 * h + 2 * h + kv + ffn)
+    base = dict(zero=3, micro_batch=2, seq=s)
+    sel, op = (estimate(m, c, Strategy(recompute=r, **base)) for r in ("selective", "selective-op"))
+    assert op.memory["activations"] < 0.6 * sel.memory["activations"]
+    assert op.compute_s > sel.compute_s
+    flops = next(f for f in op.formulas if f.startswith("flops/token"))
+    assert f"selective-op: {32 * (m.layer_params(True) - 2 * h):.4g}" in flops

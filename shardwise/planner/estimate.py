@@ -35,6 +35,9 @@ from .clusters import ClusterSpec
 from .models import ModelSpec
 
 
+RECOMPUTE = ("none", "selective", "selective-op", "full")
+
+
 @dataclass(frozen=True)
 class Strategy:
     tp: int = 1
@@ -46,7 +49,9 @@ class Strategy:
     """Sequences per optimizer step over all data-parallel ranks (None: one micro-batch per rank)."""
     seq: int | None = None
     recompute: str = "selective"
-    """none, selective (attention recomputed) or full (every layer's forward)."""
+    """none, selective (attention recomputed), selective-op (PyTorch's per-op selective checkpointing
+    as torchtitan sets it: every other matrix product's output and the attention output kept, the
+    rest of the layer's forward recomputed) or full (every layer's forward)."""
     sp: bool = True
     """Sequence parallelism alongside tensor parallelism."""
     virtual: int = 1
@@ -68,8 +73,8 @@ class Strategy:
     kept them unless recomputed)."""
 
     def __post_init__(self):
-        if self.recompute not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0..3, got {self.zero}")
         for k in ("tp", "pp", "micro_batch", "virtual", "ep"):
@@ -130,7 +135,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # compute: the model's FLOPs (+ one forward of the layers under full recomputation, + attention
     # under selective) spread over every GPU
     fpt = model.flops_per_token(seq)
-    extra = {"none": 0.0, "selective": 4.0 * L * model.q_dim * seq, "full": fpt / 3.0}[st.recompute]
+    layer_matmul = model.layer_params(True) - 2 * h  # weights a token multiplies in one layer
+    extra = {"none": 0.0, "selective": 4.0 * L * model.q_dim * seq,
+             "selective-op": L * layer_matmul,  # half of the layers' forward matrix products (2 FLOPs a weight)
+             "full": fpt / 3.0}[st.recompute]
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
@@ -213,7 +221,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed {st.dp_exposed:.0%} = {g(dp_exposed)} s",
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
-        f"activations/layer = {'2·s·b·d/tp' if st.recompute == 'full' else ('(' if st.sp else '') + ('10' if model.dropout else '8') + '·s·b·d' + (')/tp + ' if st.sp else ' + ') + '(4·s·b·d + 4·s·b·kv + ' + ('6' if model.gated else '4') + '·s·b·ffn' + (' + 5·a·s²·b' if st.recompute == 'none' and not st.fused_attention else '') + ')/tp'}"
+        f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
         + (f" + logits 4·s·b·v/tp = {g(logits)} B" if logits else ""),
         f"memory = 2·N' weights + 2·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
@@ -229,3 +237,16 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                     tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
                     fits=total <= acc.hbm_bytes, formulas=formulas)
+
+
+def _activation_formula(model: ModelSpec, st: Strategy) -> str:
+    """``ModelSpec.layer_activation_bytes`` as a formula, for ``--explain``."""
+    if st.recompute == "full":
+        return "2·s·b·d/tp"
+    if st.recompute == "selective-op":
+        whole, split = "4·s·b·d", "2·s·b·(2·q + kv + ffn)"
+    else:
+        whole = ("10" if model.dropout else "8") + "·s·b·d"
+        split = ("4·s·b·q + 4·s·b·kv + " + ("6" if model.gated else "4") + "·s·b·ffn"
+                 + (" + 5·a·s²·b" if st.recompute == "none" and not st.fused_attention else ""))
+    return f"({whole} + {split})/tp" if st.sp else f"{whole} + ({split})/tp"

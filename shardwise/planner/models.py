@@ -98,6 +98,13 @@ class ModelSpec:
         sbh = sb * self.hidden
         if recompute == "full":
             return 2.0 * sbh / tp
+        if recompute == "selective-op":
+            # the layer's input and the outputs it keeps: every other matrix product (Q, V, the MLP's
+            # first and last) and the attention's; the last product's output is whole on every rank
+            kv = self.kv_heads * self.head_dim
+            whole = 4.0 * sbh
+            split = 2.0 * sb * (2 * self.q_dim + kv + self.ffn * self.top_k)
+            return (whole + split) / tp if sp else whole + split / tp
         kv = self.kv_heads * self.head_dim
         whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
         split = 4.0 * sb * self.q_dim + 4.0 * sb * kv + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k
@@ -118,8 +125,8 @@ class ModelSpec:
         - forward, attention scores when not fused (flash attention has none): the score matmul's
           write, softmax's read and write, dropout's read, write and mask, the value matmul's read:
           13·a·s bytes (a heads, s the sequence; 8·a·s without dropout), split over ``tp``;
-        - the backward moves about twice the forward; full recomputation adds one forward, selective
-          recomputation one forward of the attention scores.
+        - the backward moves about twice the forward; full and per-op selective recomputation add one
+          forward, selective recomputation one forward of the attention scores.
 
         A model of what eager Megatron-style kernels move, not a measurement; compilers that fuse
         kernels move less (the accelerator's fitted ceiling absorbs some of that)."""
@@ -128,7 +135,8 @@ class ModelSpec:
         act = (6.0 if self.gated else 4.0) * self.ffn * self.top_k / tp
         scores = 0.0 if fused_attention else (13.0 if self.dropout else 8.0) * self.heads * seq / tp
         fwd_e, fwd_s = hidden + act, scores
-        return (fwd_e * (3 + (recompute == "full")) + fwd_s * (3 + (recompute in ("full", "selective"))))
+        return (fwd_e * (3 + (recompute in ("full", "selective-op")))
+                + fwd_s * (3 + (recompute in ("full", "selective"))))
 
     def __str__(self) -> str:
         moe = f", {self.experts} experts top-{self.top_k}" if self.experts > 1 else ""

@@ -56,7 +56,7 @@ def _titan(gpus: int, compiled: bool, tps: float) -> "Run":
     # tokens/s per GPU at 2 sequences of 8192 per GPU -> seconds per step
     return Run(f"Llama 3.1 8B, {gpus} H100 (500 W), FSDP{' + torch.compile' if compiled else ' eager'}, 2x8192 per GPU",
                model("llama3-8b"), f"dgx-h100:{gpus // 8}",
-               Strategy(zero=3, micro_batch=2, global_batch=2 * gpus, seq=8192, recompute="selective"),
+               Strategy(zero=3, micro_batch=2, global_batch=2 * gpus, seq=8192, recompute="selective-op"),
                2 * 8192 / tps, TORCHTITAN)
 
 
@@ -225,7 +225,7 @@ MEMORY_RUNS: list[MemoryRun] = [
     # torchtitan's figure is the allocator's peak reserved memory (GiB), with FSDP + torch.compile
     *[MemoryRun(f"Llama 3.1 8B, {g} H100, FSDP + torch.compile, 2x8192 per GPU, selective per-op checkpointing",
                 model("llama3-8b"), f"dgx-h100:{g // 8}",
-                Strategy(zero=3, micro_batch=2, global_batch=2 * g, seq=8192, recompute="selective"),
+                Strategy(zero=3, micro_batch=2, global_batch=2 * g, seq=8192, recompute="selective-op"),
                 gib * 2**30 / 1e9, TORCHTITAN + " (peak reserved)") for g, gib in ((8, 77.0), (128, 62.0))],
 ]
 
