@@ -339,9 +339,9 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     row["ranks"] = ws
     if system.startswith("shardwise") and job.state.streamer is not None:
         st = job.state.streamer
+        to_device, to_host = st.transfer_bytes()
         row["offload"] = {"host_gb": st.host_bytes() / 1e9, "device_state_gb": st.device_bytes() / 1e9,
-                          "to_device_gb": st.transfer_bytes()[0] / 1e9,
-                          "to_host_gb": st.transfer_bytes()[1] / 1e9, "chunks": len(st.chunks),
+                          "to_device_gb": to_device / 1e9, "to_host_gb": to_host / 1e9, "chunks": len(st.chunks),
                           "host_updated_gb": sum(st.param_bytes(n) for n in st.host) / 1e9,
                           "host_rate_gelem_s": st.host_rate / 1e9 if st.host_rate else None}
     if device.type == "cuda":

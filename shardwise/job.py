@@ -420,6 +420,7 @@ class Job:
                 st.host_rate = 1e15 / per
             st.plan_host(self.host_link(), rate=st.host_rate)
         self.last_optimizer_s = None  # the update changed: measure it again
+
     def _fit_residency(self, peak: int, check: Callable[[], int] | None = None, measured: bool = False) -> None:
         """Greedy over parameters in order: keep the state of each one that fits in the budget left
         above ``peak`` (the step's peak with nothing resident); with ``check`` (the predicted peak of

@@ -93,23 +93,23 @@ class ModelSpec:
         expert). The attention scores (5·a·s²·b) only when the attention is not fused (flash
         attention recomputes them) and not recomputed (``selective``). For Megatron's GPT (ffn = 4h,
         kv = h, dropout) this is the paper's ``sbh·(10 + 24/t + 5as/(ht))``. Full recomputation keeps
-        the layer's input alone (2·sbh/t)."""
+        the layer's input alone (2·sbh/t); per-op selective recomputation (``selective-op``) the
+        layer's input, every other matrix product's output and the attention output."""
         sb = seq * micro_batch
         sbh = sb * self.hidden
         if recompute == "full":
             return 2.0 * sbh / tp
+        kv = self.kv_heads * self.head_dim
         if recompute == "selective-op":
             # the layer's input and the outputs it keeps: every other matrix product (Q, V, the MLP's
             # first and last) and the attention's; the last product's output is whole on every rank
-            kv = self.kv_heads * self.head_dim
             whole = 4.0 * sbh
             split = 2.0 * sb * (2 * self.q_dim + kv + self.ffn * self.top_k)
-            return (whole + split) / tp if sp else whole + split / tp
-        kv = self.kv_heads * self.head_dim
-        whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
-        split = 4.0 * sb * self.q_dim + 4.0 * sb * kv + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k
-        if recompute == "none" and not fused_attention:
-            split += 5.0 * self.heads * seq * sb
+        else:
+            whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
+            split = 4.0 * sb * self.q_dim + 4.0 * sb * kv + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k
+            if recompute == "none" and not fused_attention:
+                split += 5.0 * self.heads * seq * sb
         return (whole + split) / tp if sp else whole + split / tp
 
     def elementwise_bytes(self, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none",

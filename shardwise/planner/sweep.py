@@ -85,13 +85,18 @@ def latency(models=("llama3-8b", "llama3-70b", "llama3-405b"), gpus=(8, 64, 512,
     return rows
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table of already formatted cells."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def table(rows: list[dict]) -> str:
     if not rows:
         return ""
     keys = list(dict.fromkeys(k for r in rows for k in r))
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))  # noqa: E731
-    return "\n".join(["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-                     + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows])
+    return markdown_table(keys, [[fmt(r.get(k)) for k in keys] for r in rows])
 
 
 def plot(rows: list[dict], key: str, path: str, title: str) -> str:

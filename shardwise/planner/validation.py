@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .clusters import cluster
 from .estimate import Strategy, estimate
 from .models import ModelSpec, model
+from .sweep import markdown_table
 
 KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models, " \
               "arXiv 2205.05198, Table 5 (A100 80GB, Selene)"
@@ -126,8 +127,7 @@ def vtrain_all() -> list[dict]:
     path = os.path.join(os.path.dirname(__file__), "data", "vtrain_ground_truth_multi.csv")
     rows = []
     with open(path, newline="", encoding="utf-8-sig") as f:
-        for r in csv.DictReader(f):
-            n = {k: r[k] for k in r}
+        for n in csv.DictReader(f):
             t, p, g = int(n["tensor parallelism"]), int(n["pipeline parallelism"]), int(n["# GPUs"])
             if t > 8:
                 continue
@@ -198,7 +198,7 @@ def collective_table(runs: list[CollectiveRun] = COLLECTIVE_RUNS, nbytes: float 
 
 
 def collective_markdown(rows: list[dict]) -> str:
-    return _table(["collective (bus bandwidth)", "measured GB/s", "predicted", "error", "input or blind", "source"],
+    return markdown_table(["collective (bus bandwidth)", "measured GB/s", "predicted", "error", "input or blind", "source"],
                   [[r["run"], f"{r['measured_gbs']:.0f}", f"{r['predicted_gbs']:.0f}", f"{r['error']:+.1%}",
                     "input" if r["input"] else "blind", r["source"]] for r in rows])
 
@@ -242,7 +242,7 @@ def memory_table(runs: list[MemoryRun] = MEMORY_RUNS) -> list[dict]:
 
 
 def memory_markdown(rows: list[dict]) -> str:
-    return _table(["run (peak memory per GPU)", "measured GB", "predicted GB (activations)", "error", "source"],
+    return markdown_table(["run (peak memory per GPU)", "measured GB", "predicted GB (activations)", "error", "source"],
                   [[r["run"], f"{r['measured_gb']:.2f}", f"{r['predicted_gb']:.2f} ({r['activations_gb']:.2f})",
                     f"{r['error']:+.1%}", r["source"]] for r in rows])
 
@@ -257,12 +257,6 @@ def table(runs: list[Run] = RUNS) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    return _table(["run", "measured s/step", "predicted", "error", "fitted or blind", "source"],
+    return markdown_table(["run", "measured s/step", "predicted", "error", "fitted or blind", "source"],
                   [[r["run"], f"{r['measured_s']:.4g}", f"{r['predicted_s']:.4g}", f"{r['error']:+.1%}",
                     "fitted" if r["fitted"] else "blind", r["source"]] for r in rows])
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table."""
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

@@ -67,27 +67,29 @@ def live_at_peak(trace: list[dict], baseline: int, top: int = 25) -> dict:
     older than the recording are the ``before the step`` group.
     Returns {peak, before, sites: [(site, bytes, blocks)] largest first}.
     """
-    live: dict[int, tuple[int, str]] = {}
-    before = baseline
-    cur = peak = baseline
-    at_peak: dict[int, tuple[int, str]] = {}
-    peak_before = baseline
-    for e in trace:
-        act, addr, size = e.get("action"), e.get("addr"), e.get("size", 0)
-        if act == "alloc":
-            live[addr] = (size, _site(e.get("frames", [])))
-            cur += size
-            if cur > peak:
-                peak, at_peak, peak_before = cur, dict(live), before
-        elif act == "free_requested":
-            if addr in live:
-                live.pop(addr)
-            else:
-                before -= size
-            cur -= size
+    def replay(stop: int | None = None):
+        """Walk the events (up to index ``stop``): (peak, its index, live blocks, bytes of older blocks)."""
+        live: dict[int, tuple[int, object]] = {}
+        before = cur = peak = baseline
+        at = -1
+        for i, e in enumerate(trace[:stop]):
+            act, addr, size = e.get("action"), e.get("addr"), e.get("size", 0)
+            if act == "alloc":
+                live[addr] = (size, e)
+                cur += size
+                if cur > peak:
+                    peak, at = cur, i
+            elif act == "free_requested":
+                if live.pop(addr, None) is None:
+                    before -= size
+                cur -= size
+        return peak, at, live, before
+
+    peak, at, _, _ = replay()
+    _, _, at_peak, peak_before = replay(at + 1)
     sites: dict[str, list[int]] = {}
-    for size, site in at_peak.values():
-        s = sites.setdefault(site, [0, 0])
+    for size, e in at_peak.values():
+        s = sites.setdefault(_site(e.get("frames", [])), [0, 0])
         s[0] += size
         s[1] += 1
     ranked = sorted(((k, v[0], v[1]) for k, v in sites.items()), key=lambda r: -r[1])

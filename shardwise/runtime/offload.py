@@ -456,7 +456,7 @@ class StreamedOptimizer:
     def _update(self, chunk, grads, views, counts) -> None:
         """Step the optimizer on ``chunk``'s units only. ``views[name]`` = (parameter data, {state key:
         tensor}) to use for the unit: device slices, copied in or (resident) views of the whole."""
-        for n, p in self.params.items():
+        for p in self.params.values():
             p.grad = None
         for n, a, b in chunk:
             p = self.params[n]
