@@ -448,13 +448,17 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
     if rank == 0:
         # whatever goes wrong here is told to every rank before any of them starts a system
         try:
-            os.makedirs(out_dir, exist_ok=True)
-            if cfg.trace_dir:
-                os.makedirs(cfg.trace_dir, exist_ok=True)
+            for what, d in (("--out", out_dir), ("--trace-dir", cfg.trace_dir)):
+                if d:
+                    try:
+                        os.makedirs(d, exist_ok=True)
+                    except OSError as e:
+                        raise OSError(f"cannot make the {what} directory {d!r} ({type(e).__name__}: {e}); "
+                                      f"give a directory path that can be created") from None
             if append and os.path.exists(path):
                 bad[0] = _append_to(path, rec)
         except Exception as e:  # noqa: BLE001
-            bad[0] = f"bench: {type(e).__name__}: {e}"
+            bad[0] = f"bench: {e}"
     dist.broadcast_object_list(bad, src=0, group=ctrl)  # every rank stops, not rank 0 alone
     if bad[0]:
         raise ValueError(bad[0])

@@ -93,7 +93,8 @@ class ClusterSpec:
             n = min(left, room)
             if not self.rings and (left % n or room % n):  # on a torus, groups must tile the axes
                 raise ValueError(f"{self.name}: groups of {group} ranks {inner} apart do not tile its "
-                                 f"{' x '.join(str(d) for d, _ in self.dims)} layout")
+                                 f"{' x '.join(str(d) for d, _ in self.dims)} layout; choose a size that fills "
+                                 f"whole leading axes or divides the next one (e.g. tp = 4 or 8 on 4 x 4 x 4)")
             stride = 1
             out.append((n, lvl))
             left //= n
