@@ -315,7 +315,12 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         pred = job.predict_step(batches[0])
         row["pred_step_s"] = pred["step_s"]
         # the plan the timed steps run (offload: with the state the warm-up found room for)
-        row["pred_peak_mem_gb"] = job.predict_memory(batches[0])["peak"] / 1e9
+        mem = job.predict_memory(batches[0])
+        row["pred_peak_mem_gb"] = mem["peak"] / 1e9
+        if cfg.memory_sites:  # the prediction's parts and its live set at the graph's peak, beside the sites
+            live = job._liveness(job._compiled(batches[0], "step")[0])
+            row["pred_memory"] = {k: (v / 1e9 if isinstance(v, int) else v) for k, v in mem.items()}
+            row["pred_memory"]["at_peak"] = [[name, round(b / 1e9, 4)] for name, b in live.at_peak[:40]]
         job.time_optimizer = False
     _sync(device)
     dist.barrier()

@@ -148,6 +148,7 @@ def test_liveness_frees_after_last_use_and_follows_aliases():
     # a and b live together (2 KiB + the scalar), a dies at c, then b + d (the output) = 2 KiB + 4
     assert live.peak == 2048 + 4 and live.peak_at == c.name
     assert live.outputs == 1024
+    assert sorted(live.at_peak) == sorted([(a.name, 1024), (b.name, 1024), (c.name, 4)])
     # fused (inductor): b feeds only an elementwise add, so it is computed inside it
     fused = liveness(fx.GraphModule(torch.nn.Module(), g), fused=True)
     assert fused.peak < live.peak

@@ -70,6 +70,8 @@ class Liveness:
     """Bytes of the graph's outputs (they outlive it)."""
     curve: list[int] = field(default_factory=list)
     """Live bytes after each node, in node order."""
+    at_peak: list[tuple[str, int]] = field(default_factory=list)
+    """The storages live at the peak, largest first: (owning node, bytes)."""
 
 
 def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
@@ -124,15 +126,18 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
     for o, i in last.items():
         frees[i] = frees.get(i, 0) + size[o]
     live = peak = 0
-    peak_at = ""
+    peak_at, peak_i = "", -1
     curve = []
     for i, n in enumerate(nodes):
         live += size.get(n, 0)
         if live > peak:
-            peak, peak_at = live, n.name
+            peak, peak_at, peak_i = live, n.name, i
         live -= frees.get(i, 0)
         curve.append(live)
-    return Liveness(peak=peak, peak_at=peak_at, outputs=sum(size[o] for o in outputs), curve=curve)
+    at_peak = sorted(((o.name, b) for o, b in size.items() if b and pos[o] <= peak_i <= last[o]),
+                     key=lambda r: -r[1])
+    return Liveness(peak=peak, peak_at=peak_at, outputs=sum(size[o] for o in outputs), curve=curve,
+                    at_peak=at_peak)
 
 
 def optimizer_transient(opt: torch.optim.Optimizer) -> int:
