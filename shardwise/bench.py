@@ -320,7 +320,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         if cfg.memory_sites:  # the prediction's parts and its live set at the graph's peak, beside the sites
             live = job._liveness(job._compiled(batches[0], "step")[0])
             row["pred_memory"] = {k: (v / 1e9 if isinstance(v, int) else v) for k, v in mem.items()}
-            row["pred_memory"]["at_peak"] = [[name, round(b / 1e9, 4)] for name, b in live.at_peak[:40]]
+            row["pred_memory"]["at_peak"] = [[name, round(b / 1e9, 5)] for name, b in live.at_peak[:400]]
         job.time_optimizer = False
     _sync(device)
     dist.barrier()
@@ -387,7 +387,7 @@ def _memory_sites(fn, device) -> dict:
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    live = live_at_peak(snap["device_traces"][device.index], base)
+    live = live_at_peak(snap["device_traces"][device.index], base, top=400)
     stats = torch.cuda.memory_stats(device)
     # the trace's peak counts requested sizes, as requested_bytes does; max_memory_allocated rounds
     # each block up to the allocator's sizes

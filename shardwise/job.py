@@ -685,7 +685,7 @@ class Job:
         """The cost model on a finished program (roofline compute, α-β collectives, liveness)."""
         from .costmodel import liveness
 
-        return self._timeline(gm)[0].step_s, liveness(gm, fused=self.compile_mode == "inductor").peak
+        return self._timeline(gm)[0].step_s, liveness(gm, **self._liveness_mode(gm)).peak
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: whole weights, master shards, buffers, optimizer state
@@ -720,8 +720,16 @@ class Job:
         from .costmodel import liveness
 
         if getattr(prog, "_live", None) is None:
-            prog._live = liveness(prog.gm, fused=self.compile_mode == "inductor")
+            prog._live = liveness(prog.gm, **self._liveness_mode(prog.gm))
         return prog._live
+
+    def _liveness_mode(self, gm) -> dict:
+        """How this job's executor allocates: inductor's fused kernels, which write a result into a
+        dying input's buffer unless the graph copies values out (compile_graph turns that off)."""
+        from .runtime.inductor import copies_out
+
+        fused = self.compile_mode == "inductor"
+        return {"fused": fused, "inplace": fused and not copies_out(gm)}
 
     def _memory(self, prog: Program, tensors) -> dict[str, int]:
         from .costmodel import optimizer_transient

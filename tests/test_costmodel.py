@@ -154,6 +154,55 @@ def test_liveness_frees_after_last_use_and_follows_aliases():
     assert fused.peak < live.peak
 
 
+def test_fused_liveness_of_a_loss_follows_inductors_kernels():
+    # cross-entropy on bf16 logits, forward and backward in one graph. Run op by op it holds three
+    # fp32 logits-sized tensors (log-softmax, nll_loss's gradient, log-softmax's gradient); inductor
+    # computes all three inside the kernel that writes the bf16 gradient, and writes it into the
+    # logits' buffer, which dies there: one logits-sized buffer, not two, not three.
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardwise.costmodel import liveness
+
+    def step(x, w, t):
+        (g,) = torch.autograd.grad(F.cross_entropy((x @ w).float(), t), w)
+        return g
+
+    N, D, V = 64, 16, 512
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(N, D, dtype=torch.bfloat16),
+                                            torch.randn(D, V, dtype=torch.bfloat16, requires_grad=True),
+                                            torch.randint(0, V, (N,)))
+    logits = N * V * 2
+    eager = liveness(gm)
+    assert eager.peak == 3 * 2 * logits
+    assert [b for _, b in eager.at_peak] == [2 * logits] * 3
+    separate = liveness(gm, fused=True, inplace=False, cpu_code=False)
+    assert logits * 2 <= separate.peak < logits * 2 + 64
+    fused = liveness(gm, fused=True, cpu_code=False)
+    assert fused.peak == logits + D * V * 2  # the gradient in the logits' buffer, then the weight's gradient
+    assert not any(b >= 2 * logits for _, b in fused.at_peak)
+
+
+def test_fused_liveness_stores_what_feeds_a_matrix_product_through_a_view():
+    # inductor realizes a library kernel's input: an elementwise result reshaped into a matmul is a
+    # buffer of its own, however few consumers it has; one that only feeds elementwise code is not
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardwise.costmodel import liveness
+
+    def f(x, w):
+        h = x * 2
+        return (h.view(64, 32) @ w) + (x * 3).sum()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 32, 32), torch.randn(32, 8))
+    live = liveness(gm, fused=True, cpu_code=False)
+    stored = {name for name, _ in live.at_peak} | {n.name for n in gm.graph.nodes if n.name == live.peak_at}
+    muls = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert muls[0].name in stored  # x * 2, viewed into the product
+    assert muls[1].name not in stored  # x * 3, summed in the same kernel
+    assert live.peak >= 64 * 32 * 4
+
+
 def test_interval_arithmetic_of_exposed_communication():
     from shardwise.runtime.profile import _merge, _subtract
 

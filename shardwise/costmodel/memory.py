@@ -38,13 +38,47 @@ READS = 4
 """Inductor realizes (stores) an elementwise result with several consumers once it reads more than
 this many buffers (its ``realize_reads_threshold``); below that each consumer recomputes it."""
 
+# composite ops inductor decomposes into elementwise code around small reductions (row maxima and
+# sums): a loss's log-softmax, its gradient and the scatter of nll_loss's gradient never exist as
+# whole tensors when their consumers fuse them (measured: a 1.1B Llama's fp32 logits-sized
+# tensors were absent from the H200's live blocks at the peak, 2026-11-30)
+_FUSIBLE = (aten._log_softmax.default, aten._softmax.default, aten._log_softmax_backward_data.default,
+            aten._softmax_backward_data.default, aten.nll_loss_backward.default)
+# on CPU inductor stores a result with several consumers whose code holds exp or sigmoid (its
+# mark_reuse heuristic for heavy ops) instead of recomputing it in each
+_HEAVY = (aten.exp.default, aten.sigmoid.default, aten.silu.default, aten.silu_backward.default,
+          aten._softmax.default, aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
 
-def _inlined(n: fx.Node, out: fx.Node, reads: frozenset) -> bool:
+
+def _fusible(n: fx.Node) -> bool:
+    return elementwise(n) or n.target in _FUSIBLE
+
+
+def _consumers(n: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``n``'s values, looking through views and other aliases of it."""
+    aliases, found, stack = {n}, [], list(n.users)
+    while stack:
+        u = stack.pop()
+        if u.op == "call_function" and u.target is not WAIT and _aliases_input(u) \
+                and next(iter(u.all_input_nodes), None) in aliases:
+            if u not in aliases:
+                aliases.add(u)
+                stack.extend(u.users)
+        elif u not in found:
+            found.append(u)
+    return found
+
+
+def _inlined(n: fx.Node, out: fx.Node, reads: frozenset, heavy: bool = False) -> bool:
     """Inductor computes this elementwise node inside its consumers' kernels rather than storing it:
-    not a graph output, not the input of a library kernel, and one consumer or few buffers read."""
-    if not elementwise(n) or out in n.users or any(_extern(u) for u in n.users):
+    not a graph output, not the input of a library kernel (also through a view), and one consumer,
+    or few buffers read and (on CPU) no heavy op in its code."""
+    if not _fusible(n):
         return False
-    return len(n.users) == 1 or len(reads) <= READS
+    users = _consumers(n)
+    if out in users or any(_extern(u) for u in users):
+        return False
+    return len(n.users) == 1 or (len(reads) <= READS and not heavy)
 
 
 def _aliases_input(node: fx.Node) -> bool:
@@ -74,19 +108,27 @@ class Liveness:
     """The storages live at the peak, largest first: (owning node, bytes)."""
 
 
-def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
+def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = None,
+             inplace: bool = True) -> Liveness:
     """Simulate the live bytes of ``gm`` executed in node order (see the module docstring).
 
-    ``fused`` models inductor's code instead of the FX executor's: an elementwise node whose result
-    is not a graph output and feeds no library kernel (matrix product, attention, collective) is
-    computed inside its consumers' kernels (see ``_inlined``), so it allocates nothing and instead
-    keeps the buffers it reads alive until its consumers run. Composite ops inductor decomposes
-    (softmax, layer norm) still count as stored. Measured on H200s (1.1B Llama, batch 4x2048, bf16,
-    2026-11-30) it errs low instead: the graph's live peak was 1.2-1.6 GB above this simulation at
-    one rank and at two (10.4 GB simulated at one rank), for reasons not yet found (the allocator's
-    view of the peak is the next thing to read). On CPU it cannot be checked: inductor's wrapper
-    allocates its buffers outside the dispatcher, where MemTracker does not see them. A model, not a
-    measurement.
+    ``fused`` models inductor's code instead of the FX executor's:
+
+    - an elementwise node, or a composite inductor decomposes into elementwise code around small
+      reductions (log-softmax, softmax, their gradients, nll_loss's gradient), is computed inside
+      its consumers' kernels (see ``_inlined``) unless it is a graph output or feeds a library
+      kernel (matrix product, attention, collective) directly or through a view; it then allocates
+      nothing and keeps the buffers it reads alive until its consumers run;
+    - with ``inplace``, a stored elementwise result takes the buffer of an input of its size and
+      dtype that dies in its kernel (the logits' buffer becomes their gradient's);
+    - with ``cpu_code`` (default: the graph is on the CPU), a result with several consumers whose
+      code holds exp or sigmoid is stored, as inductor's C++ backend does;
+    - a half-precision embedding gradient is accumulated in fp32.
+
+    Against inductor's generated code on CPU (``runtime.memory.inductor_wrapper_peak``, small Llama
+    and GPT steps, bf16 and fp32, checkpointed, zero3 and ddp) it is within 5%; on H200s (1.1B
+    Llama, 2026-11-30) the measured peaks were 0.4-2.5% from it (re-predicted after the sittings).
+    A model, not a measurement.
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -96,6 +138,9 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
     # the graph's device: values elsewhere (activations offloaded to the host) take none of its memory
     dev = next((v.device.type for p in nodes if p.op == "placeholder"
                 and (v := p.meta.get("val")) is not None and hasattr(v, "device")), None)
+    cpu_code = dev == "cpu" if cpu_code is None else cpu_code
+    heavy: dict[fx.Node, bool] = {}  # an inlined value whose code holds a heavy op (CPU only)
+    kernel_reads: dict[fx.Node, frozenset] = {}  # the buffers a stored elementwise result's kernel reads
     for n in nodes:
         if n.op == "placeholder":
             owners[n] = frozenset()
@@ -103,14 +148,23 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
             src = next(iter(n.all_input_nodes), None)
             if _aliases_input(n) and src is not None:
                 owners[n] = owners.get(src, frozenset())
+                heavy[n] = heavy.get(src, False)
             elif fused and _inlined(n, out, reads := frozenset().union(*(owners.get(a, frozenset())
-                                                                       for a in n.all_input_nodes))):
+                                                                       for a in n.all_input_nodes)),
+                                    h := cpu_code and (n.target in _HEAVY
+                                                           or any(heavy.get(a, False) for a in n.all_input_nodes))):
                 owners[n] = reads
+                heavy[n] = h
             else:
                 owners[n] = frozenset([n])
+                if fused and _fusible(n):
+                    kernel_reads[n] = reads
                 v = n.meta.get("val")
                 size[n] = 0 if n.meta.get("sw_host") or (dev is not None and getattr(v, "device", None) is not None
                                                          and v.device.type != dev) else _bytes(v)
+                if fused and n.target is aten.embedding_dense_backward.default and v.dtype.itemsize < 4:
+                    # inductor's decomposition accumulates a half-precision gradient in fp32
+                    size[n] = v.numel() * 4
     end = len(nodes)
     last: dict[fx.Node, int] = {o: pos[o] for o in size}
     outputs = set()
@@ -125,14 +179,25 @@ def liveness(gm: fx.GraphModule, fused: bool = False) -> Liveness:
     frees: dict[int, int] = {}
     for o, i in last.items():
         frees[i] = frees.get(i, 0) + size[o]
+    # inductor writes a kernel's result into the buffer of an input of the same size and dtype that
+    # dies in that kernel (its inplace_buffers): the logits' buffer takes their gradient, say
+    reuse: dict[int, int] = {}
+    if fused and inplace:
+        for n, reads in kernel_reads.items():
+            dt = getattr(n.meta.get("val"), "dtype", None)
+            for o in reads:
+                if (last[o] == pos[n] and o not in outputs and size[o] == size[n] and size[o]
+                        and getattr(o.meta.get("val"), "dtype", None) == dt):
+                    reuse[pos[n]] = size[o]
+                    break
     live = peak = 0
     peak_at, peak_i = "", -1
     curve = []
     for i, n in enumerate(nodes):
-        live += size.get(n, 0)
+        live += size.get(n, 0) - reuse.get(i, 0)
         if live > peak:
             peak, peak_at, peak_i = live, n.name, i
-        live -= frees.get(i, 0)
+        live -= frees.get(i, 0) - reuse.get(i, 0)
         curve.append(live)
     at_peak = sorted(((o.name, b) for o, b in size.items() if b and pos[o] <= peak_i <= last[o]),
                      key=lambda r: -r[1])

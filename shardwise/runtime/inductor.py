@@ -28,7 +28,7 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
         inputs = [x.detach() for x in inputs]
         if compiled is None:
             cfg = dict(KEEP_ORDER)
-            if _copies_out(gm):
+            if copies_out(gm):
                 # a value copied out on a side stream (activation offload) must not be overwritten by
                 # inductor's own buffer reuse while the copy reads it: its memory goes back through the
                 # caching allocator instead, which honours the copy stream's use of it
@@ -43,7 +43,7 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
     return run
 
 
-def _copies_out(gm: fx.GraphModule) -> bool:
+def copies_out(gm: fx.GraphModule) -> bool:
     from .actoffload import TO_HOST
 
     return any(n.target is TO_HOST for n in gm.graph.nodes)

@@ -45,6 +45,56 @@ def tracked_peak(fn: Callable[[], object], *external) -> tuple[object, int]:
     return out, int(sum(d.get("Total", 0) for d in peak.values()))
 
 
+def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
+    """Run ``fn`` and follow the tensors held by inductor's generated ``call`` (its wrapper) line by
+    line: the most bytes of storages it made that were alive at once, where, and their sizes.
+
+    On CPU inductor's wrapper allocates its buffers outside the dispatcher, where MemTracker does
+    not see them; its locals are what holds them, so this reads them instead (a Python line tracer:
+    slow, for small graphs). Storages the caller passed in are not counted. Returns {peak, line,
+    file, blocks: [(bytes, local name)] live at the peak, largest first}; peak 0 and no file when
+    no inductor wrapper ran.
+    """
+    import sys
+
+    st: dict = {"peak": 0, "line": None, "file": None, "blocks": []}
+    inputs: set[int] = set()
+
+    def held(loc) -> dict[int, tuple[int, str]]:
+        seen: dict[int, tuple[int, str]] = {}
+        for k, v in loc.items():
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    s = t.untyped_storage()
+                    if s.data_ptr() not in inputs:
+                        seen.setdefault(s.data_ptr(), (s.nbytes(), k))
+        return seen
+
+    def local(frame, event, arg):
+        if event in ("line", "return"):
+            live = held(frame.f_locals)
+            tot = sum(b for b, _ in live.values())
+            if tot > st["peak"]:
+                st.update(peak=tot, line=frame.f_lineno, blocks=sorted(live.values(), reverse=True))
+        return local
+
+    def calls(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name == "call" and "inductor" in code.co_filename and "args" in frame.f_locals:
+            inputs.update(t.untyped_storage().data_ptr() for t in frame.f_locals["args"] if isinstance(t, torch.Tensor))
+            st["file"] = code.co_filename
+            return local
+        return None
+
+    old = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        fn()
+    finally:
+        sys.settrace(old)
+    return st
+
+
 def _site(frames: list[dict]) -> str:
     """Where an allocation was made: the innermost frame outside torch's own Python (an inductor
     wrapper's line, a shardwise module, an optimizer, a model)."""
