@@ -40,8 +40,8 @@ class Accelerator:
     al. 2022 (the 22B and 175B models with selective recomputation, Table 5); with the memory-bound
     kernels counted on their own (``mem_eff``, models.ModelSpec.elementwise_bytes) the fit wants no
     dependence on the width (``eff_x0`` = 0; without them it was 0.71·x/(x+291)). H100 and H200 have
-    their ``eff_max`` fitted on one run of ours (``HOPPER_EFF_MAX``), TPU v5p on one of MaxText's; the
-    other TPUs use the A100's until runs of theirs are fitted. Every other run in the validation table
+    their ``eff_max`` fitted on one run of ours (``HOPPER_EFF_MAX``), TPU v5p and v5e on one of MaxText's
+    each; the other TPUs use the A100's until runs of theirs are fitted. Every other run in the validation table
     is predicted blind."""
     mem_eff: float = 0.8
     """Share of ``hbm_bw`` the memory-bound kernels reach (an assumption, not fitted)."""
@@ -137,9 +137,23 @@ class ClusterSpec:
         spanned = [(n, lvl) for n, lvl in levels if n > 1]
         if self.rings and len(spanned) > 1:
             bw = f * (group - 1) / group * nbytes / slowest
+            if kind == "all_reduce" and len(spanned) == 2 and spanned[0][1].nvls_algbw:
+                bw = min(bw, self._nvls_tree_s(nbytes, *spanned))
         elif kind == "all_reduce" and len(spanned) == 1 and spanned[0][1].nvls_algbw:
             bw = min(bw, nbytes / spanned[0][1].nvls_algbw)
         return lat, bw, steps
+
+    @staticmethod
+    def _nvls_tree_s(nbytes: float, node: tuple[int, Level], net: tuple[int, Level]) -> float:
+        """NCCL's NVLSTree all-reduce over NVSwitch nodes (bandwidth term): the switch reduces the
+        buffer inside each node, leaving each of the node's g GPUs 1/g of it to all-reduce across
+        the m nodes over its own NIC on a double binary tree, then multicasts the result back. The
+        two stages are pipelined, so the slower sets the time. Over the trees a NIC carries its
+        share once each way when m = 2 (each node is one tree's root and the other's leaf) and twice
+        when m > 2 (an inner node of one tree receives from two children, then sends to both)."""
+        (g, inside), (m, lvl) = node, net
+        per_nic = nbytes / g * (1 if m == 2 else 2)
+        return max(nbytes / inside.nvls_algbw, per_nic / lvl.busbw)
 
     def __str__(self) -> str:
         shape = " x ".join(str(n) for n, _ in self.dims)
@@ -180,9 +194,10 @@ NODES = {
 # bandwidth per link, torus rank, the axis length that carries a wraparound link (a full axis)
 TPUS = {
     "tpu-v4": (Accelerator("TPU v4", 275e12, 32e9, 1.2e12), 4.5e10, 3, 4),
-    # v5p's share fitted on one run: MaxText's 32B model on v5p-128 (validation.py); the others use the A100's
+    # v5p's share fitted on one run: MaxText's 32B model on v5p-128 (validation.py); v4 and v6e use the A100's
     "tpu-v5p": (Accelerator("TPU v5p", 459e12, 95e9, 2.76e12, eff_max=0.753), 9e10, 3, 4),
-    "tpu-v5e": (Accelerator("TPU v5e", 197e12, 16e9, 0.82e12), 5e10, 2, 16),
+    # v5e's share fitted on one run: MaxText's 16B model on one v5e-256 with full remat (validation.py)
+    "tpu-v5e": (Accelerator("TPU v5e", 197e12, 16e9, 0.82e12, eff_max=0.875), 5e10, 2, 16),
     "tpu-v6e": (Accelerator("TPU v6e", 918e12, 32e9, 1.64e12), 1e11, 2, 16),
 }
 ICI_HOP_S = 1e-6  # about 1 µs per hop (scaling-book)

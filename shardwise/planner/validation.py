@@ -53,6 +53,20 @@ def _v5p(label: str, scale: int, slice_: str, per_chip: int, remat: str, tp: int
                fitted=fitted)
 
 
+MAXTEXT_V5E = "MaxText, MaxText/configs/v5e/README.md (one v5e-256 slice) and the v5e/<size>.sh configs " \
+              "(github.com/AI-Hypercomputer/maxtext): TFLOP/s per chip at sequence 2048, FSDP over all 256 chips, " \
+              "full remat, flash attention, synthetic data"
+
+
+def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = False) -> "Run":
+    # one v5e-256 slice (a 16x16 torus), FSDP over every chip, every layer rematerialized
+    m = _maxtext(scale)
+    step = per_chip * 2048 * m.flops_per_token(2048) / (tflops * 1e12)
+    return Run(f"{label} on TPU v5e 16x16 (256 chips), FSDP, {per_chip}x2048 per chip, full remat", m,
+               "tpu-v5e:16x16", Strategy(zero=3, micro_batch=per_chip, global_batch=per_chip * 256, seq=2048,
+                                         recompute="full"), step, MAXTEXT_V5E, fitted=fitted)
+
+
 def _titan(gpus: int, compiled: bool, tps: float) -> "Run":
     # tokens/s per GPU at 2 sequences of 8192 per GPU -> seconds per step
     return Run(f"Llama 3.1 8B, {gpus} H100 (500 W), FSDP{' + torch.compile' if compiled else ' eager'}, 2x8192 per GPU",
@@ -115,6 +129,7 @@ RUNS: list[Run] = [
     _v5p("32B", 32, "4x4x4", 7, "minimal", 4, 328, fitted=True), _v5p("64B", 64, "4x4x4", 3, "minimal", 4, 323),
     _v5p("128B", 128, "4x4x8", 1, "minimal", 8, 315), _v5p("128B", 128, "4x8x8", 1, "minimal", 8, 316),
     _v5p("256B", 256, "8x8x8", 1, "minimal", 8, 308), _v5p("512B", 512, "8x8x8", 2, "full", 8, 294),
+    _v5e("16B", 16, 6, 120, fitted=True), _v5e("32B", 32, 4, 132), _v5e("64B", 64, 2, 118),
 ]
 
 
