@@ -296,8 +296,21 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         from deepspeed.compile import init_z3
 
         warmup = max(warmup, getattr(init_z3, "WARMUP", 5) + 2)
+    # each warm-up step timed and printed as it ends, with the reasons dynamo gave for any
+    # recompilation: a system that keeps compiling shows it in the log even if its command is killed
+    times, reasons = [], {}
     for i in range(warmup):
+        t = time.perf_counter()
         step(batches[i % len(batches)])
+        _sync(device)
+        times.append(round(time.perf_counter() - t, 4))
+        new = _recompile_reasons(reasons)
+        if rank == 0:
+            print(f"{system}: warm-up step {i + 1}/{warmup} {times[-1]:.3f} s"
+                  + (f"; recompiled: {new[-1][:160]}" if new else ""), flush=True)
+    row["warmup_step_s"] = times
+    if reasons:
+        row["recompile_reasons"] = list(reasons)[-5:]
     row["warmup_steps"] = warmup
     if system.startswith("shardwise"):
         # the warm-up also holds the steps that decide the plan (offload residency, a budget's check)
@@ -371,6 +384,22 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         except Exception as e:  # noqa: BLE001
             row["memory_sites_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
+
+
+def _recompile_reasons(seen: dict) -> list[str]:
+    """Reasons dynamo has recorded for guard failures (recompilations) that ``seen`` lacks; adds them."""
+    try:
+        from torch._dynamo.utils import guard_failures
+    except ImportError:
+        return []
+    new = []
+    for code, rs in list(guard_failures.items()):
+        for r in rs:
+            key = f"{getattr(code, 'co_name', code)}: {r}"
+            if key not in seen:
+                seen[key] = None
+                new.append(key)
+    return new
 
 
 def _memory_sites(fn, device) -> dict:

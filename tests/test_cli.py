@@ -130,6 +130,9 @@ def test_bench_writes_json_and_plot(tmp_path):
         assert rows[s]["pred_step_s"] > 0 and rows[s]["pred_peak_mem_gb"] > 0 and rows[s]["peak_mem_gb"] > 0
         assert rows[s]["exposed_comm_pct"] is not None
     assert rows["ddp"]["pred_step_s"] is None  # predictions are shardwise's own
+    # each warm-up step is timed and printed as it ends
+    assert all(len(r["warmup_step_s"]) >= 1 and min(r["warmup_step_s"]) > 0 for r in rows.values())
+    assert "ddp: warm-up step 1/1" in out
     # appending to a record of another configuration stops every rank (none is left waiting) and
     # leaves the record as it was
     before = (tmp_path / "t.json").read_text()
@@ -160,6 +163,24 @@ def test_bench_rejects_unknown_systems_and_options():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--link-profile", "/nonexistent.json",
                         "--nproc", "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "shardwise calibrate" in p.stderr + p.stdout
+
+
+def test_bench_reads_dynamo_recompilation_reasons():
+    # a system that keeps recompiling (DeepCompile did, in two GPU sittings) shows why in its row
+    import torch
+
+    from shardwise.bench import _recompile_reasons
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * 2, backend="eager")
+    seen: dict = {}
+    f(torch.ones(3))
+    assert _recompile_reasons(seen) == []
+    f(torch.ones(3, dtype=torch.float64))  # a dtype guard fails: compiled again
+    new = _recompile_reasons(seen)
+    assert len(new) == 1 and "dtype" in new[0], new
+    assert _recompile_reasons(seen) == []  # each reason once
+    torch._dynamo.reset()
 
 
 def test_bench_rows_get_their_share_above_the_no_communication_ceiling():
