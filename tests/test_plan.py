@@ -327,3 +327,22 @@ def test_per_op_selective_checkpointing_keeps_half_the_products_and_recomputes_t
     assert op.compute_s > sel.compute_s
     flops = next(f for f in op.formulas if f.startswith("flops/token"))
     assert f"selective-op: {32 * (m.layer_params(True) - 2 * h):.4g}" in flops
+
+
+def test_pcie_only_nodes_and_communication_that_outlasts_compute():
+    # a PCIe-only server: its rings cross the host (28 GB/s bus bandwidth, nccl#1639), 13x slower
+    # than an NVSwitch node for the same all-gather, with no NVLink SHARP
+    pcie, dgx = cluster("pcie-h100:1"), cluster("dgx-h100:1")
+    S = 1 << 30
+    assert pcie.collective_s("all_gather", S, 8) > 13 * dgx.collective_s("all_gather", S, 8)
+    assert pcie.collective_s("all_reduce", S, 8) == pytest.approx(2 * pcie.collective_s("all_gather", S, 8), rel=1e-6)
+    # there ZeRO-3's gathers and reductions outlast the step's compute: what outlasts it is exposed,
+    # not only the last bucket's 10%
+    m = model("llama3-8b")
+    est = estimate(m, pcie, Strategy(zero=3, micro_batch=1, seq=8192))
+    assert est.dp_comm_s > est.compute_s
+    assert est.dp_exposed_s == pytest.approx(est.dp_comm_s - est.compute_s)
+    assert est.step_s >= est.dp_comm_s
+    # on the NVSwitch node the same gathers hide but for that share
+    fast = estimate(m, dgx, Strategy(zero=3, micro_batch=1, seq=8192))
+    assert fast.dp_comm_s < fast.compute_s and fast.dp_exposed_s == pytest.approx(0.1 * fast.dp_comm_s)

@@ -168,6 +168,7 @@ HOPPER_EFF_MAX = 0.546
 H100 = Accelerator("H100 SXM", 989e12, 80e9, 3.35e12, eff_max=HOPPER_EFF_MAX)
 H200 = Accelerator("H200 SXM", 989e12, 141e9, 4.8e12, eff_max=HOPPER_EFF_MAX)
 A100 = Accelerator("A100 SXM 80GB", 312e12, 80e9, 2.0e12)
+H100_PCIE = Accelerator("H100 PCIe", 756e12, 80e9, 2.0e12, eff_max=HOPPER_EFF_MAX)
 
 # bus bandwidths and latencies: shared/notes/cost-models.md §2 (nccl-tests issues; NCCL's tuning constants)
 # ring busbw ~370 GB/s on 8xH100; NVLS all-reduce algbw ~275 GB/s (busbw ~480) (nccl-tests#212)
@@ -177,6 +178,11 @@ IB_NDR = Level("InfiniBand NDR 400G", 47e9, 14e-6)    # 46-48 GB/s per CX-7 NIC 
 IB_HDR = Level("InfiniBand HDR 200G", 24e9, 14e-6)    # per NIC (nccl-tests#119)
 
 NO_LINK = Level("none", 1e12, 0.0)
+# GPUs on PCIe alone (no NVLink): a ring crosses the host's PCIe root complexes, whose CPU and memory
+# set the bandwidth. 28 GB/s all-reduce bus bandwidth over 8 GPUs on PCIe Gen5 (dual Xeon 8480+;
+# NVIDIA/nccl#1639, where NCCL's maintainer calls that what such hosts deliver); an 8-byte all-reduce
+# over 8 PCIe GPUs takes about 42 µs, 14 ring steps of 3 µs (NVIDIA/nccl#1530)
+PCIE5_HOST = Level("PCIe Gen5 through the host", 28e9, 3e-6)
 
 NODES = {
     "h200": (H200, 1, NO_LINK, None),  # one GPU (our bench machine)
@@ -186,6 +192,8 @@ NODES = {
     "dgx-h100": (H100, 8, NVLINK4, IB_NDR),
     "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
     "dgx-a100": (A100, 8, NVLINK3, IB_HDR),
+    # a PCIe-only server: 8 H100 PCIe without NVLink bridges, one NDR NIC per 2 GPUs between servers
+    "pcie-h100": (H100_PCIE, 8, PCIE5_HOST, Level("InfiniBand NDR 400G per 2 GPUs", 23.5e9, 14e-6)),
     # the A100 cluster of vTrain's measurements (its validation configs: 800 Gb/s per 8-GPU node)
     "a100-800g": (A100, 8, NVLINK3, Level("800 Gb/s per node", 12.5e9, 14e-6)),
 }

@@ -15,7 +15,8 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 - pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute;
 - data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the
   updated shards; zero 3 adds the forward and backward all-gathers), overlapped with the backward
-  but for the last bucket's share (``dp_exposed``);
+  (zero 3: the whole step; with a pipeline, the last micro-batch's backward) but for the last
+  bucket's share (``dp_exposed``), and all of what outlasts that compute;
 - optimizer: memory-bound AdamW over this GPU's shard.
 
 Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 bytes per parameter,
@@ -181,7 +182,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                 + cluster.collective_s("all_gather", nbytes, n, stride) * (3 if st.zero == 3 else 1))
 
     dp_comm = sum(reduce(nb, n, stride) for nb, n, stride in groups if nb > 0)
-    dp_exposed = st.dp_exposed * dp_comm if m > 0 else dp_comm
+    # it hides behind the compute it overlaps: zero3's gathers and reductions run through the whole
+    # step, a gradient reduction through the backward (with a pipeline, the last micro-batch's only,
+    # where the stage's gradients become ready); what does not fit there is exposed
+    window = (compute / m if st.pp > 1 else compute) * (
+        1.0 if st.zero == 3 and st.pp == 1 else (0.75 if st.recompute == "full" else 2 / 3))
+    dp_exposed = max(st.dp_exposed * dp_comm, dp_comm - window)
 
     # optimizer: read/write fp32 master, two moments, read the gradient: ~28 bytes per parameter held
     z = lambda stage, n: n if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
@@ -219,7 +225,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
-        f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed {st.dp_exposed:.0%} = {g(dp_exposed)} s",
+        f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed max({st.dp_exposed:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s",
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
