@@ -196,11 +196,43 @@ def test_fused_liveness_stores_what_feeds_a_matrix_product_through_a_view():
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 32, 32), torch.randn(32, 8))
     live = liveness(gm, fused=True, cpu_code=False)
-    stored = {name for name, _ in live.at_peak} | {n.name for n in gm.graph.nodes if n.name == live.peak_at}
     muls = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
-    assert muls[0].name in stored  # x * 2, viewed into the product
-    assert muls[1].name not in stored  # x * 3, summed in the same kernel
-    assert live.peak >= 64 * 32 * 4
+    # x * 2 (8 KiB) stored and alive with the product (2 KiB); x * 3 summed in the same kernel
+    assert live.peak == 64 * 32 * 4 + 64 * 8 * 4
+    assert sorted(live.at_peak) == sorted([(muls[0].name, 64 * 32 * 4), ("mm", 64 * 8 * 4)])
+
+
+def test_fused_liveness_in_cpu_code_and_the_embedding_gradients_fp32_buffer():
+    # C++ code stores a result with two consumers in different kernels that holds a heavy op (tanh);
+    # GPU code recomputes it in each (on CPU inductor's code holds the 4 tiles, checked with
+    # runtime.memory.inductor_wrapper_peak). A bf16 embedding gradient is accumulated in an fp32
+    # buffer of inductor's own beside the bf16 result.
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardwise.costmodel import liveness
+
+    def f(x, w, v):
+        m = x @ w
+        d = m.tanh()
+        a = (d * 2) @ v
+        return ((d + 1) * a).sum(), m
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64))
+    tile = 64 * 64 * 4
+    assert liveness(gm, fused=True, cpu_code=True).peak == 4 * tile  # m, tanh(m), 2·tanh(m), the product
+    assert liveness(gm, fused=True, cpu_code=False).peak == 3 * tile
+
+    def emb(w, idx):
+        (g,) = torch.autograd.grad(F.embedding(idx, w).float().square().sum(), w)
+        return g
+
+    V, D = 1000, 64
+    gm = make_fx(emb, tracing_mode="fake")(torch.randn(V, D, dtype=torch.bfloat16, requires_grad=True),
+                                           torch.randint(0, V, (128,)))
+    live = liveness(gm, fused=True, cpu_code=False)
+    assert live.outputs == V * D * 2  # the gradient leaves the graph in bf16
+    assert dict(live.at_peak)["embedding_dense_backward (scratch)"] == V * D * 4
 
 
 def test_interval_arithmetic_of_exposed_communication():
@@ -239,3 +271,26 @@ def test_host_link_measures_and_bounds_a_streamed_step(tmp_path):
     prof.save(tmp_path / "p.json")
     back = LinkProfile.load(tmp_path / "p.json")
     assert back.host_link().both == 2.5e9 and PRESETS["cpu-gloo"].host_link() is None
+
+
+def test_liveness_mode_follows_the_executor_and_host_copies():
+    # inductor's code is modelled fused, and with in-place reuse unless the graph copies values to
+    # the host on a side stream (compile_graph turns reuse off there); the FX executor runs op by op
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from shardwise.job import Job
+    from shardwise.runtime.actoffload import TO_HOST
+
+    def graph(copy_out: bool) -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+        g.output(g.call_function(TO_HOST, (y,)) if copy_out else y)
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    inductor, fx_exec = SimpleNamespace(compile_mode="inductor"), SimpleNamespace(compile_mode="fx")
+    assert Job._liveness_mode(inductor, graph(False)) == {"fused": True, "inplace": True}
+    assert Job._liveness_mode(inductor, graph(True)) == {"fused": True, "inplace": False}
+    assert Job._liveness_mode(fx_exec, graph(False)) == {"fused": False, "inplace": False}

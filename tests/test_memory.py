@@ -80,6 +80,29 @@ def test_inductor_computes_weight_gradients_where_the_graph_does():
     assert calls[last_attn_bwd:].count("extern_kernels.mm") <= 7
 
 
+def test_inductor_wrapper_peak_reads_the_generated_codes_buffers():
+    # three 256x256 fp32 buffers of inductor's are alive at once in this function's code (exp(2x)
+    # and its +1 feed two products, the first product is held for the last kernel); the inputs are
+    # the caller's and do not count
+    import torch
+
+    from shardwise.runtime.memory import inductor_wrapper_peak
+
+    def f(x, w):
+        h = (x * 2).exp()
+        a = h @ w
+        return (a * ((h + 1) @ w)).sum(), a.relu()
+
+    cf = torch.compile(f, backend="inductor")
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+    cf(x, w)
+    got = inductor_wrapper_peak(lambda: cf(x, w))
+    assert got["peak"] == 3 * 256 * 256 * 4, got
+    assert [b for b, _ in got["blocks"]] == [256 * 256 * 4] * 3
+    assert got["file"].endswith(".py") and got["line"] > 0
+    assert inductor_wrapper_peak(lambda: f(x, w))["file"] is None  # no inductor code ran
+
+
 @pytest.mark.parametrize("name,over", [
     ("llama", {}), ("llama", {"bf16": False}), ("llama", {"checkpoint": True}),
     ("gpt", {}), ("llama", {"strategy": "ddp"})])

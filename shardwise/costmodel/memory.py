@@ -31,7 +31,11 @@ _EXTERN = ("mm.", "bmm.", "addmm.", "baddbmm.", "scaled_dot_product", "convoluti
 
 
 def _extern(n: fx.Node) -> bool:
-    return n.op == "call_function" and (n.meta.get("sw") is not None or any(k in str(n.target) for k in _EXTERN))
+    if n.op != "call_function":
+        return False
+    # a custom op (shardwise's own host copies and the like) runs as a fallback kernel too
+    custom = getattr(n.target, "namespace", "aten") not in ("aten", "prims")
+    return custom or n.meta.get("sw") is not None or any(k in str(n.target) for k in _EXTERN)
 
 
 READS = 4
@@ -44,18 +48,34 @@ this many buffers (its ``realize_reads_threshold``); below that each consumer re
 # tensors were absent from the H200's live blocks at the peak, 2026-11-30)
 _FUSIBLE = (aten._log_softmax.default, aten._softmax.default, aten._log_softmax_backward_data.default,
             aten._softmax_backward_data.default, aten.nll_loss_backward.default)
-# on CPU inductor stores a result with several consumers whose code holds exp or sigmoid (its
-# mark_reuse heuristic for heavy ops) instead of recomputing it in each
-_HEAVY = (aten.exp.default, aten.sigmoid.default, aten.silu.default, aten.silu_backward.default,
-          aten._softmax.default, aten._log_softmax_backward_data.default, aten._softmax_backward_data.default)
+# on CPU inductor stores a result with several consumers whose code holds a heavy op instead of
+# recomputing it in each (torch 2.13's should_realize_on_reuse: exp, log, log10, log1p, log2, sigmoid,
+# tanh); the aten ops whose decompositions hold one where their result is computed (log-softmax's
+# log is taken of its small row sums, which are stored: measured, its result is not)
+_HEAVY = (aten.exp.default, aten.log.default, aten.log10.default, aten.log1p.default, aten.log2.default,
+          aten.sigmoid.default, aten.tanh.default, aten.silu.default, aten.silu_backward.default,
+          aten.gelu_backward.default, aten._softmax.default,
+          aten._log_softmax_backward_data.default, aten.softplus.default, aten.elu.default)
+
+
+def _heavy(n: fx.Node) -> bool:
+    if n.target is aten.gelu.default:  # the tanh approximation holds tanh; the exact one, erf
+        return n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none") == "tanh"
+    return n.target in _HEAVY
+
+
+# composites whose kernel inductor lets write into a dying input's buffer, as elementwise ones (seen
+# in its code for a loss's gradient; a softmax's result gets a buffer of its own)
+_INPLACE = (aten._log_softmax.default, aten._log_softmax_backward_data.default, aten.nll_loss_backward.default)
 
 
 def _fusible(n: fx.Node) -> bool:
     return elementwise(n) or n.target in _FUSIBLE
 
 
-def _consumers(n: fx.Node) -> list[fx.Node]:
-    """The nodes that read ``n``'s values, looking through views and other aliases of it."""
+def _consumers(n: fx.Node) -> tuple[list[fx.Node], set[fx.Node]]:
+    """The nodes that read ``n``'s values, looking through views and other aliases of it, and the
+    aliases (``n`` among them)."""
     aliases, found, stack = {n}, [], list(n.users)
     while stack:
         u = stack.pop()
@@ -66,19 +86,29 @@ def _consumers(n: fx.Node) -> list[fx.Node]:
                 stack.extend(u.users)
         elif u not in found:
             found.append(u)
-    return found
+    return found, aliases
 
 
-def _inlined(n: fx.Node, out: fx.Node, reads: frozenset, heavy: bool = False) -> bool:
+def _addmm_input(n: fx.Node, u: fx.Node, cpu_code: bool) -> bool:
+    """``u`` adds ``n`` to a matrix product, which inductor rewrites into one addmm kernel reading
+    ``n`` as its bias: always in C++ code, on GPUs unless every user of the sum is elementwise."""
+    if u.target is not aten.add.Tensor or not any(a is not n and a.op == "call_function" and a.target is aten.mm.default
+                                                  for a in u.args if isinstance(a, fx.Node)):
+        return False
+    return cpu_code or not all(elementwise(w) for w in u.users)
+
+
+def _inlined(n: fx.Node, out: fx.Node, reads: frozenset, heavy: bool = False, cpu_code: bool = False) -> bool:
     """Inductor computes this elementwise node inside its consumers' kernels rather than storing it:
-    not a graph output, not the input of a library kernel (also through a view), and one consumer,
-    or few buffers read and (on CPU) no heavy op in its code."""
+    not a graph output, not the input of a library kernel (also through a view, or as the bias of
+    a product inductor turns into addmm), and one consumer (the most any of its aliases has), or few
+    buffers read and (in CPU code) no heavy op in its code."""
     if not _fusible(n):
         return False
-    users = _consumers(n)
-    if out in users or any(_extern(u) for u in users):
+    users, aliases = _consumers(n)
+    if out in users or any(_extern(u) or _addmm_input(n, u, cpu_code) for u in users):
         return False
-    return len(n.users) == 1 or (len(reads) <= READS and not heavy)
+    return max(len(a.users) for a in aliases) == 1 or (len(reads) <= READS and not heavy)
 
 
 def _aliases_input(node: fx.Node) -> bool:
@@ -117,13 +147,15 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
     - an elementwise node, or a composite inductor decomposes into elementwise code around small
       reductions (log-softmax, softmax, their gradients, nll_loss's gradient), is computed inside
       its consumers' kernels (see ``_inlined``) unless it is a graph output or feeds a library
-      kernel (matrix product, attention, collective) directly or through a view; it then allocates
-      nothing and keeps the buffers it reads alive until its consumers run;
+      kernel (matrix product, attention, collective, a custom op) directly, through a view, or as
+      the bias of a product inductor turns into addmm; it then allocates nothing and keeps the
+      buffers it reads alive until its consumers run;
     - with ``inplace``, a stored elementwise result takes the buffer of an input of its size and
       dtype that dies in its kernel (the logits' buffer becomes their gradient's);
     - with ``cpu_code`` (default: the graph is on the CPU), a result with several consumers whose
-      code holds exp or sigmoid is stored, as inductor's C++ backend does;
-    - a half-precision embedding gradient is accumulated in fp32.
+      code holds a heavy op (exp, log, sigmoid, tanh) is stored, as inductor's C++ backend does;
+    - a half-precision embedding gradient is accumulated in an fp32 buffer of inductor's own,
+      alive until the kernels that cast it have run.
 
     Against inductor's generated code on CPU (``runtime.memory.inductor_wrapper_peak``, small Llama
     and GPT steps, bf16 and fp32, checkpointed, zero3 and ddp) it is within 5%; on H200s (1.1B
@@ -141,6 +173,7 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
     cpu_code = dev == "cpu" if cpu_code is None else cpu_code
     heavy: dict[fx.Node, bool] = {}  # an inlined value whose code holds a heavy op (CPU only)
     kernel_reads: dict[fx.Node, frozenset] = {}  # the buffers a stored elementwise result's kernel reads
+    scratch: list[tuple[int, int, int]] = []  # buffers of inductor's own: (first node, last node, bytes)
     for n in nodes:
         if n.op == "placeholder":
             owners[n] = frozenset()
@@ -151,20 +184,24 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
                 heavy[n] = heavy.get(src, False)
             elif fused and _inlined(n, out, reads := frozenset().union(*(owners.get(a, frozenset())
                                                                        for a in n.all_input_nodes)),
-                                    h := cpu_code and (n.target in _HEAVY
-                                                           or any(heavy.get(a, False) for a in n.all_input_nodes))):
+                                    h := cpu_code and (_heavy(n)
+                                                       or any(heavy.get(a, False) for a in n.all_input_nodes)),
+                                    cpu_code):
                 owners[n] = reads
                 heavy[n] = h
             else:
                 owners[n] = frozenset([n])
-                if fused and _fusible(n):
+                if fused and (elementwise(n) or n.target in _INPLACE):
                     kernel_reads[n] = reads
                 v = n.meta.get("val")
                 size[n] = 0 if n.meta.get("sw_host") or (dev is not None and getattr(v, "device", None) is not None
                                                          and v.device.type != dev) else _bytes(v)
-                if fused and n.target is aten.embedding_dense_backward.default and v.dtype.itemsize < 4:
-                    # inductor's decomposition accumulates a half-precision gradient in fp32
-                    size[n] = v.numel() * 4
+                if (fused and size[n] and n.target is aten.embedding_dense_backward.default
+                        and getattr(v, "dtype", torch.float32).itemsize < 4):
+                    # inductor's decomposition accumulates a half-precision gradient in an fp32
+                    # buffer, which the kernels casting it read (the consumers, when they fuse the cast)
+                    ends = [pos[u] for u in n.users] if all(_fusible(u) for u in n.users) and n.users else []
+                    scratch.append((pos[n], max(ends, default=pos[n]), v.numel() * 4))
     end = len(nodes)
     last: dict[fx.Node, int] = {o: pos[o] for o in size}
     outputs = set()
@@ -190,16 +227,21 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
                         and getattr(o.meta.get("val"), "dtype", None) == dt):
                     reuse[pos[n]] = size[o]
                     break
+    held: dict[int, int] = {}
+    for a, b, nbytes in scratch:
+        held[a] = held.get(a, 0) + nbytes
+        frees[b] = frees.get(b, 0) + nbytes
     live = peak = 0
     peak_at, peak_i = "", -1
     curve = []
     for i, n in enumerate(nodes):
-        live += size.get(n, 0) - reuse.get(i, 0)
+        live += size.get(n, 0) + held.get(i, 0) - reuse.get(i, 0)
         if live > peak:
             peak, peak_at, peak_i = live, n.name, i
         live -= frees.get(i, 0) - reuse.get(i, 0)
         curve.append(live)
-    at_peak = sorted(((o.name, b) for o, b in size.items() if b and pos[o] <= peak_i <= last[o]),
+    at_peak = sorted([(o.name, b) for o, b in size.items() if b and pos[o] <= peak_i <= last[o]]
+                     + [(f"{nodes[a].name} (scratch)", b) for a, e, b in scratch if a <= peak_i <= e],
                      key=lambda r: -r[1])
     return Liveness(peak=peak, peak_at=peak_at, outputs=sum(size[o] for o in outputs), curve=curve,
                     at_peak=at_peak)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -57,17 +58,32 @@ def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
     """
     import sys
 
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        where = os.path.realpath(cache_dir())
+    except Exception:  # noqa: BLE001 - another torch: its default cache directory's name
+        where = "torchinductor"
     st: dict = {"peak": 0, "line": None, "file": None, "blocks": []}
-    inputs: set[int] = set()
+    inputs: dict[int, torch.UntypedStorage] = {}  # held while the call runs, so no address is reused
+
+    def tensors(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif depth < 4 and isinstance(v, (list, tuple)):
+            for x in v:
+                yield from tensors(x, depth + 1)
+        elif depth < 4 and isinstance(v, dict):
+            for x in v.values():
+                yield from tensors(x, depth + 1)
 
     def held(loc) -> dict[int, tuple[int, str]]:
         seen: dict[int, tuple[int, str]] = {}
         for k, v in loc.items():
-            for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                if isinstance(t, torch.Tensor):
-                    s = t.untyped_storage()
-                    if s.data_ptr() not in inputs:
-                        seen.setdefault(s.data_ptr(), (s.nbytes(), k))
+            for t in tensors(v):
+                s = t.untyped_storage()
+                if s.data_ptr() not in inputs:
+                    seen.setdefault(s.data_ptr(), (s.nbytes(), k))
         return seen
 
     def local(frame, event, arg):
@@ -75,14 +91,16 @@ def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
             live = held(frame.f_locals)
             tot = sum(b for b, _ in live.values())
             if tot > st["peak"]:
-                st.update(peak=tot, line=frame.f_lineno, blocks=sorted(live.values(), reverse=True))
+                st.update(peak=tot, line=frame.f_lineno, file=frame.f_code.co_filename,
+                          blocks=sorted(live.values(), reverse=True))
         return local
 
     def calls(frame, event, arg):
         code = frame.f_code
-        if event == "call" and code.co_name == "call" and "inductor" in code.co_filename and "args" in frame.f_locals:
-            inputs.update(t.untyped_storage().data_ptr() for t in frame.f_locals["args"] if isinstance(t, torch.Tensor))
-            st["file"] = code.co_filename
+        if (event == "call" and code.co_name == "call" and "args" in frame.f_locals
+                and (code.co_filename.startswith(where) or where in code.co_filename)):
+            inputs.clear()
+            inputs.update((t.untyped_storage().data_ptr(), t.untyped_storage()) for t in tensors(frame.f_locals["args"]))
             return local
         return None
 
@@ -92,6 +110,7 @@ def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
         fn()
     finally:
         sys.settrace(old)
+        inputs.clear()
     return st
 
 
