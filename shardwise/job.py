@@ -887,6 +887,12 @@ class Job:
                 lines.append(f"  memory: resident {sum(res.values()) / 2**20:.2f} MiB ("
                              + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res.items())
                              + f"), graph peak +{live.peak / 2**20:.2f} MiB at {live.peak_at}")
+                if live.at_peak:
+                    top = live.at_peak[:6]
+                    rest = live.peak - sum(b for _, b in top)
+                    lines.append("    live then (MiB): " + ", ".join(f"{n} {b / 2**20:.2f}" for n, b in top)
+                                 + (f", {len(live.at_peak) - len(top)} more {rest / 2**20:.2f}"
+                                    if len(live.at_peak) > len(top) else ""))
                 st = self.state.streamer
                 if st is not None:
                     hl = self.host_link()

@@ -87,6 +87,11 @@ def test_explain_prints_the_plan():
                   "--link-profile", "nvlink-8gpu")
     assert "link profile: nvlink-8gpu" in out and "predicted step" in out
     assert "all_gather      fwd" in out and "reduce_scatter  bwd" in out and "S(0)" in out
+    # what the predicted peak holds: its largest tensors by the node that made them
+    live = re.search(r"graph peak \+([\d.]+) MiB at \S+\n    live then \(MiB\): (.*)", out)
+    assert live, out
+    sizes = [float(x) for x in re.findall(r" ([\d.]+)(?:,|$)", live.group(2))]
+    assert abs(sum(sizes) - float(live.group(1))) <= 0.01 * len(sizes) + 0.01, live.group(0)
 
 
 def test_explain_profiles_and_draws(tmp_path):
