@@ -5,6 +5,7 @@
 # Usage (device tool, nvidia-h200-x2):
 #   SHARDWISE_COMMIT=<hash> NPROC=2 SIZE=1b BATCH=4 SEQ=2048 SYSTEMS=shardwise,fsdp2 NAME=x bash bench/gpu_sitting.sh
 # EXTRA=--checkpoint for checkpointed rows. DeepSpeed rows: carry .whl (its wheels); they are installed first.
+# SYSTEM_TIMEOUT=S stops a system whose warm-up runs past S seconds, so the systems after it still run.
 # A sitting may span several device commands (the machine stays warm between them): rows of one NAME
 # append to one record kept in $SITTING on the device machine; each command copies that NAME's record,
 # plot, log and traces, and the link profile, to $OUT (at most 8 files come back).
@@ -29,7 +30,8 @@ fi
 LP=(); [ -f "$LINK" ] && LP=(--link-profile "$LINK")
 timeout ${BENCH_TIMEOUT:-540} torchrun --nproc-per-node "$NPROC" -m shardwise.cli bench --model llama --size "$SIZE" \
   --batch "$BATCH" --seq "$SEQ" --precision bf16 --systems "$SYSTEMS" --steps ${STEPS:-6} --warmup 2 "${LP[@]}" \
-  --trace-dir "$SITTING/traces-$NAME" ${EXTRA:-} --out "$SITTING" --name "$NAME" --append 2>&1 \
+  --trace-dir "$SITTING/traces-$NAME" ${SYSTEM_TIMEOUT:+--system-timeout $SYSTEM_TIMEOUT} ${EXTRA:-} \
+  --out "$SITTING" --name "$NAME" --append 2>&1 \
   | grep -v -i "warn" | tee -a "$SITTING/$NAME.log" | tail -40
 (cd "$SITTING" && tar cf "$OUT/traces-$NAME.tar" "traces-$NAME" 2>/dev/null)
 cp "$SITTING/$NAME".* "$SITTING/machine.txt" "$OUT"/ 2>/dev/null

@@ -88,6 +88,9 @@ class BenchConfig:
     memory_sites: bool = False
     """CUDA: record the allocator over one more step and add to each row the blocks live at its peak,
     grouped by where they were allocated (``memory_at_peak``)."""
+    system_timeout: float | None = None
+    """Stop a system whose warm-up is still running this many seconds after it began (checked after
+    each warm-up step, agreed by every rank): its row gets the error, the next system runs."""
 
     def __post_init__(self):
         bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
@@ -264,6 +267,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
 
     device = _device()
     rank, ws = dist.get_rank(), dist.get_world_size()
+    started = time.perf_counter()
     # each system compiles from a clean slate: dynamo's per-code cache is shared by every system of
     # the process, and entries left by an earlier one count towards its recompile limit (past it,
     # dynamo silently runs eager)
@@ -308,6 +312,13 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         if rank == 0:
             print(f"{system}: warm-up step {i + 1}/{warmup} {times[-1]:.3f} s"
                   + (f"; recompiled: {new[-1][:160]}" if new else ""), flush=True)
+        if cfg.system_timeout is not None:
+            late = torch.tensor([time.perf_counter() - started > cfg.system_timeout], dtype=torch.float64)
+            dist.all_reduce(late, op=dist.ReduceOp.MAX, group=ctrl)  # every rank stops at the same step
+            if late.item():
+                raise TimeoutError(f"warm-up step {i + 1}/{warmup} ended {time.perf_counter() - started:.0f} s "
+                                   f"into the system, past --system-timeout {cfg.system_timeout:g} s; steps took "
+                                   f"{times} s" + (f"; last recompilation: {list(reasons)[-1][:120]}" if reasons else ""))
     row["warmup_step_s"] = times
     if reasons:
         row["recompile_reasons"] = list(reasons)[-5:]
@@ -545,7 +556,7 @@ def _append_to(path: str, rec: dict) -> str:
         return f"bench --append: {path} is not a bench record (no config, results, command or date)"
     # settings that are not part of what is measured may differ; a setting an older record lacks
     # counts as its default
-    ignore = {"systems", "trace_dir", "memory_sites"}
+    ignore = {"systems", "trace_dir", "memory_sites", "system_timeout"}
     defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
     keys = (set(cfg) | set(rec["config"])) - ignore
     if any(cfg.get(k, defaults.get(k)) != rec["config"].get(k, defaults.get(k)) for k in keys):

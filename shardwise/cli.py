@@ -204,6 +204,9 @@ def _bench_parser(sub) -> None:
                    help="write rank 0's chrome trace of each system's profiled step here (<system>.json.gz)")
     p.add_argument("--memory-sites", action="store_true",
                    help="CUDA: record one more step's allocations and list the blocks live at its peak by site")
+    p.add_argument("--system-timeout", type=float, default=None, metavar="S",
+                   help="stop a system whose warm-up runs past S seconds (checked after each warm-up step, "
+                        "agreed by every rank); its row records why and the next system runs")
 
 
 def bench_main(args) -> None:
@@ -216,7 +219,8 @@ def bench_main(args) -> None:
                       checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
                       warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
                       memory_fraction=args.memory_fraction, link_profile=args.link_profile,
-                      trace_dir=args.trace_dir, memory_sites=args.memory_sites)
+                      trace_dir=args.trace_dir, memory_sites=args.memory_sites,
+                      system_timeout=args.system_timeout)
     ensure_process_group()
     bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]), append=args.append)
     dist.barrier()

@@ -170,6 +170,17 @@ def test_bench_rejects_unknown_systems_and_options():
     assert p.returncode != 0 and "shardwise calibrate" in p.stderr + p.stdout
 
 
+def test_bench_stops_a_system_past_its_timeout_and_runs_the_next(tmp_path):
+    import json
+
+    out = run_cli("bench", "--model", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "1", "--warmup", "2",
+                  "--systems", "ddp,fsdp2", "--system-timeout", "0", "--out", str(tmp_path), "--name", "t")
+    rows = {r["system"]: r for r in json.loads((tmp_path / "t.json").read_text())["results"]}
+    assert set(rows) == {"ddp", "fsdp2"}, out
+    for r in rows.values():  # both stopped after their first warm-up step, on every rank
+        assert r["error"].startswith("TimeoutError: warm-up step 1/2") and "--system-timeout 0 s" in r["error"], r
+
+
 def test_bench_reads_dynamo_recompilation_reasons():
     # a system that keeps recompiling (DeepCompile did, in two GPU sittings) shows why in its row
     import torch
