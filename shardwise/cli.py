@@ -451,12 +451,15 @@ def _plan_parser(sub) -> None:
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--shard", type=int, default=None,
+                   help="hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (e.g. a "
+                        "node's GPUs) and the groups all-reduce their gradient shards (default: one group)")
     p.add_argument("--efficiency", type=float, default=None,
                    help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--explain", action="store_true", help="print each term's formula with its numbers")
     p.add_argument("--sweep", default=None,
-                   help="AXIS=V1,V2,... (cluster, model, tp, pp, zero, micro-batch, global-batch, seq, recompute, "
+                   help="AXIS=V1,V2,... (cluster, model, tp, pp, zero, shard, micro-batch, global-batch, seq, recompute, "
                         "virtual): one estimate per value; or a built-in sweep: grad-sync, latency")
     p.add_argument("--png", default=None, help="with --sweep AXIS=...: write a plot there")
     p.add_argument("--validate", action="store_true",
@@ -499,7 +502,7 @@ def plan_main(args) -> None:
         m, c = model(args.model), cluster(args.cluster)
         st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
-                      virtual=args.virtual, ep=args.ep, efficiency=args.efficiency)
+                      virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard)
         if args.sweep:
             from shardwise.planner import sweep
 
@@ -522,7 +525,8 @@ def plan_main(args) -> None:
     ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
     print(m)
     print(c)
-    print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}, micro-batch {st.micro_batch} x "
+    print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}"
+          + (f" sharded over groups of {st.shard}" if st.shard else "") + f", micro-batch {st.micro_batch} x "
           f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}")
     tp = ms(e.tp_exposed_s) + (f" (of {ms(e.tp_comm_s)})" if e.tp_exposed_s < e.tp_comm_s else "")
     print(f"step {e.step_s:.3f} s = compute {ms(e.compute_s)} + exposed tensor-parallel comm {tp} + "

@@ -88,6 +88,9 @@ def test_cli_plan_json(capsys):
     assert out["gpus"] == 8 and out["dp"] == 8 and 0 < out["mfu"] < 1 and out["memory"]["total"] > 0
     with pytest.raises(SystemExit, match="does not divide"):
         main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--tp", "3"])
+    main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:4", "--zero", "3", "--shard", "8"])
+    out = capsys.readouterr().out
+    assert "zero3 sharded over groups of 8" in out and "memory per GPU" in out
 
 
 def test_predictions_hold_the_published_runs_within_10pct():
@@ -346,3 +349,24 @@ def test_pcie_only_nodes_and_communication_that_outlasts_compute():
     # on the NVSwitch node the same gathers hide but for that share
     fast = estimate(m, dgx, Strategy(zero=3, micro_batch=1, seq=8192))
     assert fast.dp_comm_s < fast.compute_s and fast.dp_exposed_s == pytest.approx(0.1 * fast.dp_comm_s)
+
+
+def test_hybrid_sharding_shards_inside_groups_and_all_reduces_across_them():
+    # HSDP: ZeRO-3 inside each node's 8 GPUs, the 16 nodes replicas of one another. State per GPU is
+    # divided by 8, not 128; communication is the node's reduce-scatter and three all-gathers of the
+    # gradients plus an all-reduce of each GPU's 1/8 shard across the 16 nodes
+    m = model("llama3-8b")
+    c = cluster("dgx-h100:16")
+    full = estimate(m, c, Strategy(zero=3, micro_batch=1, seq=8192))
+    hsdp = estimate(m, c, Strategy(zero=3, micro_batch=1, seq=8192, shard=8))
+    for k in ("weights", "grads", "optimizer"):
+        assert hsdp.memory[k] == pytest.approx(full.memory[k] * 128 / 8)
+    g = 2.0 * m.params()
+    want = (c.collective_s("reduce_scatter", g, 8) + 3 * c.collective_s("all_gather", g, 8)
+            + c.collective_s("all_reduce", g / 8, 16, 8))
+    assert hsdp.dp_comm_s == pytest.approx(want)
+    assert c.levels(16, 8) == [(16, c.dims[1][1])]  # the replicas' all-reduce runs over InfiniBand alone
+    with pytest.raises(ValueError, match="must divide the data-parallel size"):
+        estimate(m, c, Strategy(zero=3, shard=12))
+    with pytest.raises(ValueError, match="needs zero >= 1"):
+        Strategy(zero=0, shard=8)

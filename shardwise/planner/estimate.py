@@ -72,6 +72,11 @@ class Strategy:
     fused_attention: bool = True
     """Flash-style attention: the s x s scores are not kept for the backward (Megatron's 2022 runs
     kept them unless recomputed)."""
+    shard: int | None = None
+    """Hybrid sharding (FSDP2's HSDP, MaxText's FSDP inside a slice with data parallelism across):
+    ZeRO shards the state over groups of ``shard`` neighbouring data-parallel ranks, which replicate
+    it across groups; each group's gradient shards are then all-reduced across the groups. None:
+    one group of every data-parallel rank."""
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -81,6 +86,8 @@ class Strategy:
         for k in ("tp", "pp", "micro_batch", "virtual", "ep"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be at least 1, got {getattr(self, k)}")
+        if self.shard is not None and (self.shard < 1 or self.zero == 0):
+            raise ValueError(f"shard={self.shard}: a sharding group needs zero >= 1 and at least one rank")
 
 
 @dataclass
@@ -122,6 +129,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if model.layers < st.pp * st.virtual:
         raise ValueError(f"{model.layers} layers cannot fill pp x virtual = {st.pp * st.virtual} stages")
     dp = gpus // (st.tp * st.pp)
+    if st.shard is not None and (dp % st.shard or (st.ep > 1 and (dp // st.ep) % min(st.shard, dp // st.ep))):
+        raise ValueError(f"shard={st.shard} must divide the data-parallel size {dp}"
+                         + (f" and its expert groups of {dp // st.ep}" if st.ep > 1 else ""))
     if st.ep > 1 and (model.experts % st.ep or dp % st.ep):
         raise ValueError(f"ep={st.ep} must divide the model's {model.experts} experts and the data-parallel size {dp}")
     seq = st.seq or model.seq
@@ -175,11 +185,17 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     inner = st.tp * st.pp
     groups = [(2.0 * dense_params, dp, inner), (2.0 * expert_params, dp // st.ep, inner * st.ep)]
 
+    def group(n):  # the sharding group of a data-parallel axis of n ranks
+        return n if st.shard is None else min(st.shard, n)
+
     def reduce(nbytes, n, stride):
         if st.zero == 0:
             return cluster.collective_s("all_reduce", nbytes, n, stride)
-        return (cluster.collective_s("reduce_scatter", nbytes, n, stride)
-                + cluster.collective_s("all_gather", nbytes, n, stride) * (3 if st.zero == 3 else 1))
+        s = group(n)
+        inside = (cluster.collective_s("reduce_scatter", nbytes, s, stride)
+                  + cluster.collective_s("all_gather", nbytes, s, stride) * (3 if st.zero == 3 else 1))
+        # hybrid sharding: each rank's gradient shard all-reduced with its replicas in the other groups
+        return inside + (cluster.collective_s("all_reduce", nbytes / s, n // s, stride * s) if n > s else 0.0)
 
     dp_comm = sum(reduce(nb, n, stride) for nb, n, stride in groups if nb > 0)
     # it hides behind the compute it overlaps: zero3's gathers and reductions run through the whole
@@ -190,7 +206,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     dp_exposed = max(st.dp_exposed * dp_comm, dp_comm - window)
 
     # optimizer: read/write fp32 master, two moments, read the gradient: ~28 bytes per parameter held
-    z = lambda stage, n: n if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
+    z = lambda stage, n: group(n) if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
     opt_params = dense_params / z(1, dp) + expert_params / z(1, dp // st.ep)
     optimizer = 28.0 * opt_params / acc.hbm_bw
 
@@ -225,7 +241,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
-        f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {dp}) = {g(dp_comm)} s, exposed max({st.dp_exposed:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s",
+        f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {group(dp)}"
+        + (f", then all-reduce of 1/{group(dp)} of it over the {dp // group(dp)} groups" if group(dp) < dp and st.zero else "")
+        + f") = {g(dp_comm)} s, exposed max({st.dp_exposed:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s",
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"

@@ -9,7 +9,8 @@ from .clusters import cluster
 from .estimate import Strategy, estimate
 from .models import ModelSpec, model
 
-AXES = ("cluster", "model", "tp", "pp", "zero", "micro_batch", "global_batch", "seq", "recompute", "virtual", "ep")
+AXES = ("cluster", "model", "tp", "pp", "zero", "shard", "micro_batch", "global_batch", "seq", "recompute", "virtual",
+        "ep")
 
 
 def parse(spec: str) -> tuple[str, list]:
