@@ -122,10 +122,16 @@ def test_predictions_hold_the_published_runs_within_10pct():
     for r in tpu:
         assert abs(r["error"]) <= 0.10, r
     # MaxText on one v5e-256 (a 2-D torus), FSDP over all of it with full remat: 32B and 64B blind
-    v5e = [r for r in rows if r["source"] == MAXTEXT_V5E and not r["fitted"]]
-    assert len(v5e) == 2
-    for r in v5e:
+    one = [r for r in rows if r["source"] == MAXTEXT_V5E and not r["fitted"] and " x TPU" not in r["run"]]
+    assert len(one) == 2
+    for r in one:
         assert abs(r["error"]) <= 0.10, r
+    # and on 2-32 slices over the data-center network (FSDP in a slice, data parallel across), blind:
+    # 13 of 15 within 10%; the 64B model on 16 and 32 slices is 12-17% fast (the README's slowdown
+    # there is several times what the DCN all-reduce costs even if nothing hid it)
+    many = {r["run"]: r["error"] for r in rows if r["source"] == MAXTEXT_V5E and " x TPU" in r["run"]}
+    assert len(many) == 15 and sum(abs(e) <= 0.10 for e in many.values()) >= 13, many
+    assert all(e < 0 for k, e in many.items() if k.startswith("64B")), many
 
 
 def test_wide_heads_and_tensor_parallel_across_torus_axes():
@@ -370,3 +376,18 @@ def test_hybrid_sharding_shards_inside_groups_and_all_reduces_across_them():
         estimate(m, c, Strategy(zero=3, shard=12))
     with pytest.raises(ValueError, match="needs zero >= 1"):
         Strategy(zero=0, shard=8)
+
+
+def test_multi_slice_tpu_clusters_join_slices_over_the_data_center_network():
+    c = cluster("tpu-v5e:16x16*4")
+    assert c.gpus == 1024 and [n for n, _ in c.dims] == [16, 16, 4]
+    dcn = c.dims[2][1]
+    assert dcn.busbw == pytest.approx(200e9 / 8 / 8)  # a host's 2 x 100 Gb/s shared by its 8 chips
+    # a slice's chips all-reduce their shards with the other slices over the DCN alone
+    assert c.levels(4, 256) == [(4, dcn)]
+    S = 1 << 28
+    assert c.collective_s("all_reduce", S, 4, 256) > 10 * c.collective_s("all_reduce", S, 16)
+    with pytest.raises(ValueError, match="not known"):
+        cluster("tpu-v5p:4x4x4*2")
+    with pytest.raises(ValueError, match="SLICES"):
+        cluster("tpu-v5e:16x16*two")

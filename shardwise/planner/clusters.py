@@ -209,24 +209,37 @@ TPUS = {
     "tpu-v6e": (Accelerator("TPU v6e", 918e12, 32e9, 1.64e12), 1e11, 2, 16),
 }
 ICI_HOP_S = 1e-6  # about 1 µs per hop (scaling-book)
+# slices of a multi-slice job meet over the data-center network: per chip, its host's NICs shared by
+# the host's chips (Cloud TPU documentation, v5e: 2 x 100 Gb/s per host of 8 chips, 6.4 Tb/s per pod)
+DCN = {"tpu-v5e": Level("DCN (2 x 100 Gb/s per host of 8 chips)", 2 * 100e9 / 8 / 8, 14e-6)}
 
 
 def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
     accel, link, rank, full = TPUS[name]
+    shape, star, n_slices = shape.partition("*")
     try:
         sizes = [int(x) for x in shape.split("x")]
+        slices = int(n_slices) if star else 1
     except ValueError:
-        raise ValueError(f"cluster {spec!r}: a TPU slice is NAME:AxBxC, e.g. {name}:" + "x".join(["4"] * rank)) from None
+        raise ValueError(f"cluster {spec!r}: a TPU slice is NAME:AxBxC, e.g. {name}:" + "x".join(["4"] * rank)
+                         + ", and several slices NAME:AxBxC*SLICES") from None
+    if slices < 1 or (slices > 1 and name not in DCN):
+        raise ValueError(f"cluster {spec!r}: " + ("slices must be at least 1" if slices < 1 else
+                         f"the data-center network between {name} slices is not known; multi-slice: "
+                         f"{', '.join(DCN)}"))
     if len(sizes) != rank or min(sizes) < 1:
         raise ValueError(f"cluster {spec!r}: {name} is a {rank}-D torus: give {rank} axis lengths")
     # along an axis with a wraparound link a ring sends both ways: twice the link's one-way bandwidth
     dims = tuple((n, Level(f"ICI {'torus' if n % full == 0 else 'line'}", link * (2 if n % full == 0 else 1),
                            ICI_HOP_S)) for n in sizes)
+    if slices > 1:
+        dims += ((slices, DCN[name]),)
     return ClusterSpec(spec, accel, dims, rings=False)
 
 
 def cluster(spec: str) -> ClusterSpec:
-    """``dgx-h100:32`` = 32 nodes of 8 H100s (a bare node name is one node); ``tpu-v5p:4x4x8`` a TPU slice."""
+    """``dgx-h100:32`` = 32 nodes of 8 H100s (a bare node name is one node); ``tpu-v5p:4x4x8`` a TPU slice;
+    ``tpu-v5e:16x16*4`` four slices joined by the data-center network."""
     name, _, n = spec.partition(":")
     if name in TPUS:
         return _tpu(spec, name, n or "x".join(["4"] * TPUS[name][2]))

@@ -58,13 +58,23 @@ MAXTEXT_V5E = "MaxText, MaxText/configs/v5e/README.md (one v5e-256 slice) and th
               "full remat, flash attention, synthetic data"
 
 
-def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = False) -> "Run":
-    # one v5e-256 slice (a 16x16 torus), FSDP over every chip, every layer rematerialized
+def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = False, slices: int = 1) -> "Run":
+    # v5e-256 slices (16x16 tori), FSDP over each slice's chips, data parallel across slices over the
+    # data-center network (MaxText's default for several slices), every layer rematerialized
     m = _maxtext(scale)
     step = per_chip * 2048 * m.flops_per_token(2048) / (tflops * 1e12)
-    return Run(f"{label} on TPU v5e 16x16 (256 chips), FSDP, {per_chip}x2048 per chip, full remat", m,
-               "tpu-v5e:16x16", Strategy(zero=3, micro_batch=per_chip, global_batch=per_chip * 256, seq=2048,
-                                         recompute="full"), step, MAXTEXT_V5E, fitted=fitted)
+    many = slices > 1
+    return Run(f"{label} on {f'{slices} x ' if many else ''}TPU v5e 16x16 ({256 * slices} chips), FSDP"
+               f"{' in each slice, data parallel across' if many else ''}, {per_chip}x2048 per chip, full remat", m,
+               "tpu-v5e:16x16" + (f"*{slices}" if many else ""),
+               Strategy(zero=3, micro_batch=per_chip, global_batch=per_chip * 256 * slices, seq=2048,
+                        recompute="full", shard=256 if many else None), step, MAXTEXT_V5E, fitted=fitted)
+
+
+# MaxText's v5e README, TFLOP/s per chip on 2 to 32 slices: (size, per-chip batch, {slices: TFLOP/s})
+V5E_SLICES = [("16B", 16, 6, {2: 117, 4: 117, 8: 115, 16: 111, 32: 108}),
+              ("32B", 32, 4, {2: 128, 4: 126, 8: 125, 16: 123, 32: 119}),
+              ("64B", 64, 2, {2: 112, 4: 110, 8: 108, 16: 105, 32: 99})]
 
 
 def _titan(gpus: int, compiled: bool, tps: float) -> "Run":
@@ -130,6 +140,7 @@ RUNS: list[Run] = [
     _v5p("128B", 128, "4x4x8", 1, "minimal", 8, 315), _v5p("128B", 128, "4x8x8", 1, "minimal", 8, 316),
     _v5p("256B", 256, "8x8x8", 1, "minimal", 8, 308), _v5p("512B", 512, "8x8x8", 2, "full", 8, 294),
     _v5e("16B", 16, 6, 120, fitted=True), _v5e("32B", 32, 4, 132), _v5e("64B", 64, 2, 118),
+    *[_v5e(label, scale, b, tf, slices=n) for label, scale, b, per in V5E_SLICES for n, tf in per.items()],
 ]
 
 
