@@ -1,9 +1,16 @@
 """Clusters for ``shardwise plan``: accelerators and the network levels between them.
 
-A collective over a group that spans levels runs level by level (reduce-scatter inside the node,
-then across nodes on 1/n of the data, then all-gather back: the multi-dimensional algorithm), so
-its time is ``Σ_d [(n_d - 1)·α_d + f·(n_d - 1)/n_d · S_d / B_d]`` with ``S_1 = S`` and
-``S_{d+1} = S_d / n_d`` for all-gather and reduce-scatter (f = 1) and twice that for all-reduce.
+A collective over a group pays each level's steps at its latency, ``Σ_d f·(n_d - 1)·α_d`` (f = 1
+for all-gather and reduce-scatter, 2 for all-reduce). Its bandwidth term depends on the machine:
+
+- GPU clusters (``ClusterSpec.rings``): NCCL's rings run through the whole group, so
+  ``f·(n - 1)/n · S / B`` at the slowest level's bus bandwidth B, a network level counting every
+  NIC of the node; inside an NVSwitch node an all-reduce may reduce in the switch (NVLS), and
+  across such nodes run as NVLSTree, whichever is faster;
+- TPU tori and the data-center network between slices: level by level on shrinking data (the
+  multi-dimensional algorithm), ``Σ_d f·(n_d - 1)/n_d · S_d / B_d`` with ``S_1 = S`` and
+  ``S_{d+1} = S_d / n_d``.
+
 ``B_d`` is the bus bandwidth of one rank at level d (nccl-tests' busbw; for a network level, the
 bandwidth of the NIC each GPU drives).
 """

@@ -242,7 +242,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {group(dp)}"
-        + (f", then all-reduce of 1/{group(dp)} of it over the {dp // group(dp)} groups" if group(dp) < dp and st.zero else "")
+        + (f", then all-reduce of 1/{group(dp)} of it over the {dp // group(dp)} groups" if group(dp) < dp else "")
         + f") = {g(dp_comm)} s, exposed max({st.dp_exposed:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s",
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"

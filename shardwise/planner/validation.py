@@ -38,13 +38,17 @@ def _maxtext(scale: int) -> ModelSpec:
                      seq=2048, head_size=128)
 
 
+def _maxtext_step(m: ModelSpec, per_chip: int, tflops: float) -> float:
+    """Measured seconds per step: the chip's tokens x model FLOPs per token / its measured FLOP rate
+    (MaxText counts FLOPs as the planner does: 6 per weight and token + 12·L·(heads·head size)·T)."""
+    return per_chip * 2048 * m.flops_per_token(2048) / (tflops * 1e12)
+
+
 def _v5p(label: str, scale: int, slice_: str, per_chip: int, remat: str, tp: int, tflops: float,
          fitted: bool = False) -> "Run":
     m = _maxtext(scale)
     chips = cluster(f"tpu-v5p:{slice_}").gpus
-    # measured seconds per step: the chip's tokens x model FLOPs per token / its measured FLOP rate
-    # (MaxText counts FLOPs as the planner does: 6 per weight and token + 12·L·(heads·head size)·T)
-    step = per_chip * 2048 * m.flops_per_token(2048) / (tflops * 1e12)
+    step = _maxtext_step(m, per_chip, tflops)
     return Run(f"{label} on TPU v5p {slice_} ({chips} chips), tp={tp} + FSDP, {per_chip}x2048 per chip, "
                f"{remat} remat", m, f"tpu-v5p:{slice_}",
                # MaxText's batch is per chip over all chips: a tensor-parallel group of tp chips runs tp x that
@@ -53,8 +57,8 @@ def _v5p(label: str, scale: int, slice_: str, per_chip: int, remat: str, tp: int
                fitted=fitted)
 
 
-MAXTEXT_V5E = "MaxText, MaxText/configs/v5e/README.md (one v5e-256 slice) and the v5e/<size>.sh configs " \
-              "(github.com/AI-Hypercomputer/maxtext): TFLOP/s per chip at sequence 2048, FSDP over all 256 chips, " \
+MAXTEXT_V5E = "MaxText, MaxText/configs/v5e/README.md (1 to 32 v5e-256 slices) and the v5e/<size>.sh configs " \
+              "(github.com/AI-Hypercomputer/maxtext): TFLOP/s per chip at sequence 2048, FSDP over a slice's 256 chips, " \
               "full remat, flash attention, synthetic data"
 
 
@@ -62,7 +66,7 @@ def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = Fa
     # v5e-256 slices (16x16 tori), FSDP over each slice's chips, data parallel across slices over the
     # data-center network (MaxText's default for several slices), every layer rematerialized
     m = _maxtext(scale)
-    step = per_chip * 2048 * m.flops_per_token(2048) / (tflops * 1e12)
+    step = _maxtext_step(m, per_chip, tflops)
     many = slices > 1
     return Run(f"{label} on {f'{slices} x ' if many else ''}TPU v5e 16x16 ({256 * slices} chips), FSDP"
                f"{' in each slice, data parallel across' if many else ''}, {per_chip}x2048 per chip, full remat", m,

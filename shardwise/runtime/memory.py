@@ -98,7 +98,7 @@ def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
     def calls(frame, event, arg):
         code = frame.f_code
         if (event == "call" and code.co_name == "call" and "args" in frame.f_locals
-                and (code.co_filename.startswith(where) or where in code.co_filename)):
+                and where in code.co_filename):
             inputs.clear()
             inputs.update((t.untyped_storage().data_ptr(), t.untyped_storage()) for t in tensors(frame.f_locals["args"]))
             return local
