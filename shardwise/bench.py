@@ -104,6 +104,9 @@ class BenchConfig:
             raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
         if self.executor not in ("auto", "fx", "inductor"):
             raise ValueError(f"bench: executor must be auto, fx or inductor, got {self.executor!r}")
+        if self.system_timeout is not None and self.system_timeout < 0:
+            raise ValueError(f"bench: --system-timeout is seconds a system's warm-up may run, >= 0; "
+                             f"got {self.system_timeout}")
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"bench: --memory-fraction must be in (0, 1], got {self.memory_fraction}")
         if self.link_profile is not None:

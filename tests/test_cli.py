@@ -165,6 +165,9 @@ def test_bench_rejects_unknown_systems_and_options():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise:speed=11", "--nproc",
                         "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert "bad option" in p.stderr + p.stdout
+    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--system-timeout", "-5", "--nproc", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "--system-timeout is seconds" in p.stderr, p.stderr[-400:]
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--link-profile", "/nonexistent.json",
                         "--nproc", "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "shardwise calibrate" in p.stderr + p.stdout
