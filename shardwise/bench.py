@@ -23,7 +23,9 @@ carry options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`
 (plain torch.compile on each rank's batch, no communication: the single-device ceiling), ``ddp``,
 ``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (the same, then torch.compile),
 ``fsdp2-offload`` (FSDP2 with ``CPUOffloadPolicy``: shards, gradients and the optimizer step on
-the host), ``deepspeed`` (ZeRO-3; ``deepspeed:offload=1`` offloads the optimizer to CPU Adam,
+the host); these torch peers take ``:fused=1`` to step AdamW with torch's fused kernel, which shardwise
+picks itself on CUDA (``shardwise:fused=0`` turns that off; each row's ``optimizer`` names the kernel
+run), ``deepspeed`` (ZeRO-3; ``deepspeed:offload=1`` offloads the optimizer to CPU Adam,
 ``+ratio=0.7`` only that share of it) and ``deepcompile`` (``deepcompile:offload=1``: its
 ``offload_opt_states``) where deepspeed is installed on a CUDA machine. A system
 that fails (out of memory, missing package) is recorded with its error; the others still run.
@@ -97,8 +99,6 @@ class BenchConfig:
         if bad:
             raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
         for s in self.systems:
-            if ":" in s and not s.startswith(("shardwise", "deepspeed", "deepcompile")):
-                raise ValueError(f"bench: only shardwise and deepspeed systems take options, got {s!r}")
             _options(s)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
@@ -133,9 +133,16 @@ def _model(cfg: BenchConfig, device):
 
 
 def flops_per_token(model, seq: int) -> float:
-    """6N + 12·L·d·T (PaLM): N parameters, L layers, d model width, T sequence length."""
-    n = sum(p.numel() for p in model.parameters())
+    """6N + 12·L·d·T (PaLM): N parameters a token runs through, L layers, d model width, T sequence
+    length. For a mixture of experts N counts ``top_k`` of the ``n_expert`` experts (the model's
+    FLOPs, whatever the dispatch computes on top: the dense path runs all experts, capacity dispatch
+    pads by its factor)."""
     c = model.cfg
+    n = sum(p.numel() for p in model.parameters())
+    e, k = getattr(c, "n_expert", 1), getattr(c, "top_k", 1)
+    if e > 1:
+        experts = sum(p.numel() for name, p in model.named_parameters() if name.endswith((".ffn.w1", ".ffn.w2", ".ffn.w3")))
+        n -= experts * (e - k) / e
     return 6.0 * n + 12.0 * c.n_layer * c.d_model * seq
 
 
@@ -157,25 +164,28 @@ def _peer(system: str, cfg: BenchConfig, model, device):
 
     if system.split(":")[0] in ("deepspeed", "deepcompile"):
         return _deepspeed(system, cfg, model, device)
-    if system in ("fsdp2", "fsdp2-compile", "fsdp2-offload"):
+    kind = system.split(":")[0]
+    if kind in ("fsdp2", "fsdp2-compile", "fsdp2-offload"):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if cfg.precision == "bf16" else MixedPrecisionPolicy()
         # fsdp2-offload: sharded parameters, gradients and the optimizer step on the host (pinned)
-        off = CPUOffloadPolicy() if system == "fsdp2-offload" else OffloadPolicy()
+        off = CPUOffloadPolicy() if kind == "fsdp2-offload" else OffloadPolicy()
         for blk in model.blocks:
             fully_shard(blk, mp_policy=mp, offload_policy=off)
         fully_shard(model, mp_policy=mp, offload_policy=off)
-        run = torch.compile(model) if system == "fsdp2-compile" else model
+        run = torch.compile(model) if kind == "fsdp2-compile" else model
         amp = False  # FSDP2 casts the parameters itself
-    elif system == "ddp":
+    elif kind == "ddp":
         run = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         amp = cfg.precision == "bf16"
     else:  # compile: this rank alone, no communication
         run = torch.compile(model)
         amp = cfg.precision == "bf16"
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    # fused=1: torch's fused AdamW kernel, the update shardwise runs on CUDA; default: torch's own
+    # default (foreach on CUDA)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **({"fused": True} if _options(system).get("fused") else {}))
 
     def step(batch):
         with _autocast(cfg, device) if amp else contextlib.nullcontext():
@@ -226,7 +236,11 @@ _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb
             "host": ("offload_host_update", lambda v: v if v == "auto" else (float(v) or False)),
             "recompute": ("recompute", lambda v: bool(int(v))),
             "act": ("offload_activations", lambda v: bool(int(v))),
-            "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30))}
+            "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30)),
+            "fused": ("fused_optimizer", lambda v: bool(int(v)))}
+
+# options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
+_PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
 
 
 # options of the deepspeed systems: ``deepspeed:offload=1+ratio=0.7``, ``deepcompile:offload=1``
@@ -236,14 +250,18 @@ _DS_OPTIONS = {"offload": ("ds_offload", lambda v: bool(int(v))), "ratio": ("ds_
 def _options(system: str) -> dict:
     if ":" not in system:
         return {}
-    table = _OPTIONS if system.startswith("shardwise") else _DS_OPTIONS
+    table = (_OPTIONS if system.startswith("shardwise") else
+             _DS_OPTIONS if system.startswith(("deepspeed", "deepcompile")) else _PEER_OPTIONS)
     out = {}
     for item in system.split(":", 1)[1].split("+"):
         k, _, v = item.partition("=")
         if k not in table or not v:
             raise ValueError(f"bench: bad option {item!r} in {system!r}: use k=v with k in {', '.join(table)}")
         name, kind = table[k]
-        out[name] = kind(v)
+        try:
+            out[name] = kind(v)
+        except ValueError:
+            raise ValueError(f"bench: bad value in {item!r} of {system!r}: {k} takes a number") from None
     if system.startswith("deepcompile") and "ds_ratio" in out:
         raise ValueError(f"bench: {system!r}: ratio is a ZeRO-3 offload setting; deepcompile takes offload=1 only")
     return out
@@ -296,6 +314,10 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         job.replan_at = 1  # under a budget: measured and, if need be, re-planned inside the warm-up
     else:
         step, opt = _peer(system, cfg, model, device)
+    from .runtime.state import optimizer_kind
+
+    inner = getattr(opt, "optimizer", None)  # DeepSpeed's ZeRO wrapper holds the optimizer that steps
+    row["optimizer"] = optimizer_kind(inner if isinstance(inner, torch.optim.Optimizer) else opt)
     warmup = cfg.warmup
     if system.startswith("deepcompile"):
         # DeepCompile profiles the first steps, then at its WARMUP-th step resets dynamo and recompiles

@@ -19,6 +19,8 @@ def _train_parser(sub) -> None:
         "measured with torch.profiler at step 3.",
     )
     _model_args(p)
+    p.add_argument("--no-fused-optimizer", action="store_true",
+                   help="step AdamW with torch's default kernel; by default shardwise uses the fused one on CUDA")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
     p.add_argument("--grad-accum", type=int, default=1,
@@ -50,6 +52,8 @@ def _explain_parser(sub) -> None:
         "bytes and predicted time, and the predicted step time (roofline compute, alpha-beta collectives).",
     )
     _model_args(p)
+    p.add_argument("--no-fused-optimizer", action="store_true",
+                   help="step AdamW with torch's default kernel; by default shardwise uses the fused one on CUDA")
     p.add_argument("--link-profile", default=None,
                    help="a JSON profile from `shardwise calibrate`, or a preset name (default: per backend)")
     p.add_argument("--profile", action="store_true",
@@ -115,7 +119,8 @@ def _memory_kw(args) -> dict:
     budget = None if b is None else (int(b * 2**30) if b > 1 else float(b))
     return {"memory_budget": budget, "offload_optimizer": {None: False, "fit": True, "all": "all"}[args.offload_optimizer],
             "recompute": args.recompute, "offload_activations": args.offload_activations,
-            "offload_host_update": args.host_update}
+            "offload_host_update": args.host_update,
+            "fused_optimizer": False if args.no_fused_optimizer else None}
 
 
 def _host_share(v: str):

@@ -18,7 +18,7 @@ from .capture.trace import signature_hash
 from .passes import STRATEGIES, Program, ShardContext, shard_step
 from .passes.zero import layouts_for
 from .runtime.mesh import Mesh, mesh as make_mesh
-from .runtime.state import ShardedState
+from .runtime.state import ShardedState, optimizer_kind
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
@@ -79,6 +79,7 @@ def compile(
     offload_host_update: bool | float | str = "auto",
     recompute: bool = False,
     offload_activations: bool = False,
+    fused_optimizer: bool | None = None,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -114,7 +115,10 @@ def compile(
     (passes/recompute.py); ``offload_activations`` keeps every activation the backward reads in host
     memory between forward and backward, copied out and back on a stream of their own
     (passes/actoffload.py). A budget turns each on when needed, recomputation first, then offload
-    of the largest activations.
+    of the largest activations. ``fused_optimizer`` runs the update with torch's fused kernel (one
+    pass over parameter, gradient and state; the multi-tensor path moves about three times the bytes
+    for AdamW): None (default) does so on CUDA for an Adam, AdamW or SGD built without ``foreach`` or
+    ``fused``; True requires it; False runs the optimizer as the factory built it.
 
     Example::
 
@@ -157,6 +161,9 @@ def compile(
         raise ValueError(f"offload_chunk_mb must be positive, got {offload_chunk_mb!r}")
     if offload_optimizer and strategy != "zero3":
         raise ValueError(f"offload_optimizer is built for zero3 so far, not {strategy}: use strategy='zero3'")
+    if fused_optimizer not in (None, True, False):
+        raise ValueError(f"fused_optimizer must be None (fuse where torch can, on CUDA), True or False, "
+                         f"got {fused_optimizer!r}")
     if offload_host_update is True:
         offload_host_update = 1.0
     if not (offload_host_update in ("auto", False) or (
@@ -165,7 +172,7 @@ def compile(
                          f"offloaded state to update on the host, got {offload_host_update!r}")
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
               clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops, offload_optimizer,
-              offload_chunk_mb, offload_overlap)
+              offload_chunk_mb, offload_overlap, fused_optimizer)
     job.host_update = offload_host_update
     job.link_profile = link_profile
     job.memory_budget = _budget_bytes(memory_budget, mesh.device)
@@ -211,7 +218,7 @@ class Job:
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
                  shard_bucket_mb="auto", schedule=True, max_in_flight_mb=None, max_in_flight_ops=None,
-                 offload_optimizer=False, offload_chunk_mb=64, offload_overlap=True):
+                 offload_optimizer=False, offload_chunk_mb=64, offload_overlap=True, fused_optimizer=None):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -251,7 +258,7 @@ class Job:
         self.layouts = layouts_for([n for n, _ in named], [p.shape for _, p in named], 1 if strategy == "ddp" else self.ws)
         self.state = ShardedState(model, strategy, self.layouts, self.rank, optimizer, mp.param_dtype,
                                   offload=bool(offload_optimizer), offload_chunk_bytes=int(offload_chunk_mb * 2**20),
-                                  offload_overlap=offload_overlap)
+                                  offload_overlap=offload_overlap, fused=fused_optimizer)
         self.offload_all = offload_optimizer == "all"
         if self.state.streamer is not None:
             # the update of one step may still run when the next starts: its graph waits for each
@@ -838,7 +845,8 @@ class Job:
         predicted time and exposure, and the predicted step (two-lane simulation of the schedule)."""
         lp, dev = self.cost_inputs()
         lines = [f"strategy={self.strategy} {self.mesh} precision={self.mp}", f"link profile: {lp}",
-                 f"compute: roofline on {dev.name} ({dev.flops / 1e12:.1f} TFLOP/s, {dev.bandwidth / 1e9:.0f} GB/s)"]
+                 f"compute: roofline on {dev.name} ({dev.flops / 1e12:.1f} TFLOP/s, {dev.bandwidth / 1e9:.0f} GB/s)",
+                 f"optimizer: {optimizer_kind(self.optimizer)}"]
         for (sig, mode), (prog, _) in self._programs.items():
             c = prog.counts()
 

@@ -111,14 +111,15 @@ def test_bench_writes_json_and_plot(tmp_path):
     import json
 
     out = run_cli("bench", "--model", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
-                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0,shardwise:offload=1+recompute=1+budget_gb=1,ddp,fsdp2",
+                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0+fused=1,shardwise:offload=1+recompute=1+budget_gb=1,ddp,"
+                  "fsdp2:fused=1",
                   "--out", str(tmp_path), "--link-profile", "cpu-gloo", "--trace-dir", str(tmp_path / "tr"),
                   "--name", "t")
     rec = json.loads((tmp_path / "t.json").read_text())
     assert rec["config"]["link_profile"] == "cpu-gloo"
     # one gzipped chrome trace per system, from rank 0
     traces = sorted(p.name for p in (tmp_path / "tr").iterdir())
-    assert len(traces) == 5 and "shardwise-noopt_bucket_mb0.json.gz" in traces, traces
+    assert len(traces) == 5 and "shardwise-noopt_bucket_mb0_fused1.json.gz" in traces, traces
     import gzip
 
     assert json.loads(gzip.decompress((tmp_path / "tr" / "ddp.json.gz").read_bytes()))["traceEvents"]
@@ -126,12 +127,16 @@ def test_bench_writes_json_and_plot(tmp_path):
     for k in ("name", "date", "machine", "gpus", "versions", "command", "config", "results"):
         assert k in rec
     rows = {r["system"]: r for r in rec["results"]}
-    assert set(rows) == {"shardwise", "shardwise-noopt:bucket_mb=0", "shardwise:offload=1+recompute=1+budget_gb=1",
-                         "ddp", "fsdp2"}, out
+    assert set(rows) == {"shardwise", "shardwise-noopt:bucket_mb=0+fused=1",
+                         "shardwise:offload=1+recompute=1+budget_gb=1", "ddp", "fsdp2:fused=1"}, out
+    # each row names the optimizer kernel it ran: torch's CPU default, or the fused kernel asked for
+    assert rows["shardwise"]["optimizer"] == rows["ddp"]["optimizer"] == "AdamW (for-loop)"
+    assert rows["shardwise-noopt:bucket_mb=0+fused=1"]["optimizer"] == rows["fsdp2:fused=1"]["optimizer"] \
+        == "AdamW (fused)"
     for r in rows.values():
         assert "error" not in r, r
         assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] == rec["config"]["batch"] * 16 / r["step_s"]
-    for s in ("shardwise", "shardwise-noopt:bucket_mb=0"):
+    for s in ("shardwise", "shardwise-noopt:bucket_mb=0+fused=1"):
         assert rows[s]["pred_step_s"] > 0 and rows[s]["pred_peak_mem_gb"] > 0 and rows[s]["peak_mem_gb"] > 0
         assert rows[s]["exposed_comm_pct"] is not None
     assert rows["ddp"]["pred_step_s"] is None  # predictions are shardwise's own
@@ -165,6 +170,10 @@ def test_bench_rejects_unknown_systems_and_options():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise:speed=11", "--nproc",
                         "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert "bad option" in p.stderr + p.stdout
+    for bad, says in (("ddp:fused=yes", "fused takes a number"), ("fsdp2:ratio=1", "bad option")):
+        p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", bad, "--nproc", "1",
+                            "--size", "tiny"], capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and says in p.stderr + p.stdout, (bad, p.stderr[-400:])
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--system-timeout", "-5", "--nproc", "1"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "--system-timeout is seconds" in p.stderr, p.stderr[-400:]

@@ -54,7 +54,8 @@ def test_cuda_offload_streams_match_device_state():
     for offload in (False, "all"):
         job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
                          mesh=sw.mesh(dp=1, device="cuda"), offload_optimizer=offload, offload_chunk_mb=1 / 64,
-                         offload_host_update=False, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+                         offload_host_update=False, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16),
+                         fused_optimizer=False)  # the streamed update runs the factory's kernel: compare like with like
         losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
         res.append((losses, job.full_state_dict()))
         if offload:
@@ -74,7 +75,7 @@ def test_cuda_offload_keeps_on_the_device_what_the_first_step_leaves_room_for():
     def run(**kw):
         job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
                          mesh=sw.mesh(dp=1, device="cuda"), offload_chunk_mb=1 / 64, offload_host_update=False,
-                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), **kw)
+                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), fused_optimizer=False, **kw)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
@@ -90,6 +91,23 @@ def test_cuda_offload_keeps_on_the_device_what_the_first_step_leaves_room_for():
     assert torch.cuda.max_memory_allocated() <= job.memory_budget
     _, ref_losses, ref_sd = run(offload_optimizer=False)
     assert losses == ref_losses and all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+
+
+@needs_cuda
+def test_cuda_optimizer_runs_fused_unless_the_factory_chose():
+    # on CUDA shardwise steps a fresh Adam/AdamW/SGD with torch's fused kernel; a factory that chose
+    # foreach (or fused_optimizer=False) keeps its own
+    import shardwise as sw
+    from harness import adamw, make_model
+    from shardwise.runtime.state import optimizer_kind
+
+    kinds = {}
+    for name, factory, fused in (("auto", adamw, None), ("chose", lambda p: torch.optim.AdamW(p, foreach=True), None),
+                                 ("off", adamw, False)):
+        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=factory, strategy="zero3",
+                         mesh=sw.mesh(dp=1, device="cuda"), fused_optimizer=fused)
+        kinds[name] = optimizer_kind(job.optimizer)
+    assert kinds == {"auto": "AdamW (fused)", "chose": "AdamW (foreach)", "off": "AdamW (foreach)"}
 
 
 @needs_cuda

@@ -33,6 +33,20 @@ def test_non_elementwise_optimizer_on_shards():
     job_for(harness.make_model("gpt", "fp32"), optimizer=lambda p: torch.optim.Adafactor(p), strategy="ddp")
 
 
+def test_fused_optimizer_that_cannot_be_fused():
+    def fresh():
+        return harness.make_model("gpt", "fp32")
+
+    with pytest.raises(ValueError, match="cannot fuse RMSprop: RMSprop has no fused kernel in torch"):
+        job_for(fresh(), optimizer=lambda p: torch.optim.RMSprop(p), fused_optimizer=True)
+    with pytest.raises(ValueError, match="built with foreach=True"):
+        job_for(fresh(), optimizer=lambda p: torch.optim.AdamW(p, foreach=True), fused_optimizer=True)
+    with pytest.raises(ValueError, match="does not apply under offload_optimizer"):
+        job_for(fresh(), fused_optimizer=True, offload_optimizer=True)
+    with pytest.raises(ValueError, match="fused_optimizer must be None"):
+        job_for(fresh(), fused_optimizer="yes")
+
+
 def test_mesh_larger_than_single_process():
     with pytest.raises(ValueError, match=r"mesh\(dp=3\) needs 3 processes.*torchrun --nproc-per-node 3"):
         sw.mesh(dp=3)

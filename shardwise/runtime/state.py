@@ -13,6 +13,7 @@ zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    shard
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -55,6 +56,7 @@ class ShardedState:
         offload: bool = False,
         offload_chunk_bytes: int = 64 * 2**20,
         offload_overlap: bool = True,
+        fused: bool | None = None,
     ):
         self.strategy = strategy
         self.layouts = layouts
@@ -102,6 +104,11 @@ class ShardedState:
                 f"optimizer= must be a factory returning a torch.optim.Optimizer, got {type(self.optimizer).__name__}; "
                 "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
             )
+        if offload and fused:
+            raise ValueError("fused_optimizer=True does not apply under offload_optimizer: the offloaded "
+                             "update streams the state through the device chunk by chunk (runtime/offload.py)")
+        if not offload:
+            self.optimizer = fused_twin(self.optimizer, fused)
         self.streamer = None
         if offload:
             from .offload import StreamedOptimizer
@@ -250,6 +257,65 @@ def release_to_meta(model: nn.Module) -> None:
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             mod._parameters[k] = new[id(p)]
+
+
+# torch optimizers with a fused kernel: one pass over parameter, gradient and state per update,
+# where the multi-tensor (foreach) path makes several (AdamW: about three times the bytes)
+FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def fused_twin(opt: torch.optim.Optimizer, want: bool | None) -> torch.optim.Optimizer:
+    """``opt`` rebuilt with torch's fused kernel (``fused=True``), or ``opt`` itself.
+
+    ``want``: None (auto) fuses a fresh Adam, AdamW or SGD whose tensors are all on CUDA and whose
+    ``foreach`` and ``fused`` were left unset; a user who chose either keeps that choice. True fuses
+    or raises an error that says why it cannot; False keeps ``opt``. The rebuilt optimizer has the
+    same parameter groups and hyperparameters; only the kernel differs (same update in fp32, rounding
+    may differ in the last bit)."""
+    if want is False or opt.defaults.get("fused"):
+        return opt
+    d = opt.defaults
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    if want is None and (d.get("foreach") is not None or d.get("fused") is not None
+                         or any(p.device.type != "cuda" for p in ps)):
+        return opt
+    why = None
+    if type(opt) not in FUSED_OPTIMIZERS:
+        why = (f"{type(opt).__name__} has no fused kernel in torch "
+               f"({', '.join(c.__name__ for c in FUSED_OPTIMIZERS)} have)")
+    elif opt.state:
+        why = "the optimizer has state already (fusing rebuilds it before its first step)"
+    elif d.get("differentiable"):
+        why = "differentiable=True has no fused kernel"
+    elif d.get("foreach"):
+        why = "the optimizer was built with foreach=True"
+    elif any(not p.is_floating_point() for p in ps):
+        why = "a trainable tensor is not floating point"
+    if why is not None:
+        if want:
+            raise ValueError(f"fused_optimizer=True: cannot fuse {type(opt).__name__}: {why}; pass "
+                             "fused_optimizer=None (fuse where possible) or False")
+        return opt
+    takes = inspect.signature(type(opt).__init__).parameters
+    kwargs = {k: v for k, v in d.items() if k in takes}
+    kwargs.update(fused=True, foreach=None)
+    groups = [{**g, "fused": True, "foreach": None} for g in opt.param_groups]
+    return type(opt)(groups, **kwargs)
+
+
+def optimizer_kind(opt: torch.optim.Optimizer) -> str:
+    """The optimizer and the kernel its step runs: ``AdamW (fused)``, ``(foreach)`` or ``(for-loop)``."""
+    d = getattr(opt, "defaults", None) or {}
+    if "fused" not in d and "foreach" not in d:
+        return type(opt).__name__
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    if d.get("fused"):
+        how = "fused"
+    elif d.get("foreach") or (d.get("foreach") is None and ps and ps[0].device.type == "cuda"):
+        how = "foreach"
+    else:
+        how = "for-loop"
+    return f"{type(opt).__name__} ({how})"
 
 
 def _elementwise(opt: torch.optim.Optimizer) -> bool:
