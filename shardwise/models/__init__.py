@@ -1,4 +1,4 @@
-"""Built-in reference models: GPT-2 style, Llama style and a dropless MoE.
+"""Built-in reference models: GPT-2 style, Llama style and a top-k MoE (dense or capacity dispatch).
 
 Each model's ``forward(idx, targets=None)`` returns the mean next-token cross-entropy when
 ``targets`` is given, logits otherwise. ``build(name, size, **overrides)`` picks a preset.
@@ -29,6 +29,10 @@ PRESETS: dict[str, dict[str, dict]] = {
         "tiny": dict(vocab=64, seq=16, d_model=32, n_layer=2, n_head=4, n_kv_head=2, ffn=32, n_expert=4),
         "small": dict(vocab=256, seq=64, d_model=128, n_layer=4, n_head=4, n_kv_head=2, ffn=128, n_expert=4),
         "1b": dict(vocab=32000, seq=2048, d_model=1024, n_layer=12, n_head=16, n_kv_head=8, ffn=2816, n_expert=8),
+        # Mixtral 8x7B's layer (8 experts, top 2, SwiGLU 14336, GQA 32/8) with 8 of its 32 layers and
+        # GShard-style capacity dispatch, so the experts run a real MoE layer's FLOPs (x1.25)
+        "8x7b-8l": dict(vocab=32000, seq=4096, d_model=4096, n_layer=8, n_head=32, n_kv_head=8, ffn=14336,
+                        n_expert=8, top_k=2, capacity_factor=1.25),
     },
 }
 

@@ -1,0 +1,114 @@
+"""The mixture-of-experts model's capacity dispatch: what it computes, what it drops, what it traces to,
+and that shardwise trains it as one device does."""
+
+import pytest
+import torch
+
+from harness import check
+from shardwise.bench import flops_per_token
+from shardwise.capture import capture_step
+from shardwise.models import build
+
+
+def pair(cf, **over):
+    """The dense MoE and its capacity-dispatch twin with the same weights, in fp64."""
+    torch.manual_seed(0)
+    dense = build("moe", "tiny", **over).double()
+    disp = build("moe", "tiny", capacity_factor=cf, **over).double()
+    disp.load_state_dict(dense.state_dict())
+    return dense, disp
+
+
+def loss_and_grads(m, x):
+    loss = m(x, x)
+    return loss.detach(), torch.autograd.grad(loss, list(m.parameters()))
+
+
+def test_dispatch_without_drops_equals_the_dense_experts():
+    # capacity E/k: every (token, choice) pair fits, so the result is the dense path's
+    dense, disp = pair(cf=2.0)  # tiny: 4 experts, top 2
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    (l0, g0), (l1, g1) = loss_and_grads(dense, x), loss_and_grads(disp, x)
+    assert abs(float(l0 - l1)) < 1e-12
+    assert max(float((a - b).abs().max()) for a, b in zip(g0, g1)) < 1e-12
+
+
+def test_pairs_past_capacity_are_dropped_first_choices_first():
+    torch.manual_seed(0)
+    m = build("moe", "tiny", capacity_factor=0.5).double()
+    ffn = m.blocks[0].ffn
+    n, d = 8, m.cfg.d_model
+    with torch.no_grad():
+        ffn.router.weight.zero_()
+        ffn.router.weight[0] = 1.0  # every token: expert 0 first, then 1 (ties among 1..3 broken by index)
+        ffn.router.weight[1] = 0.5
+    x = torch.rand(1, n, d, dtype=torch.float64) + 0.1
+    cap = ffn.capacity(n)  # 0.5 * 8 * 2 / 4 = 2 pairs per expert
+    assert cap == 2
+    out = ffn(x)
+    # by hand: tokens 0 and 1 get both their experts; the others' pairs are all past capacity
+    probs = torch.softmax(ffn.router(x[0]), -1)
+    top, idx = probs.topk(2, -1)
+    assert idx[:, 0].eq(0).all() and idx[:, 1].eq(1).all()
+    gate = top / top.sum(-1, keepdim=True)
+    for i in range(n):
+        want = torch.zeros(d, dtype=torch.float64)
+        if i < cap:
+            for j in range(2):
+                e = int(idx[i, j])
+                h = torch.nn.functional.silu(x[0, i] @ ffn.w1[e]) * (x[0, i] @ ffn.w3[e])
+                want += gate[i, j] * (h @ ffn.w2[e])
+        assert torch.allclose(out[0, i], want, atol=1e-12), i
+
+
+def test_dispatch_runs_batched_expert_products_on_the_capacity_buffer():
+    # the graph change: the dense path's einsums over every token and expert become bmm over
+    # [experts, capacity, d]; forward FLOPs of the experts shrink to capacity x k / E of the dense
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dense, disp = pair(cf=1.0)
+    x = torch.randint(0, 64, (2, 16))
+    gm = capture_step(disp, (x, x)).gm
+    bmm = [n for n in gm.graph.nodes if n.target == torch.ops.aten.bmm.default]
+    cap = disp.blocks[0].ffn.capacity(32)  # 1.0 * 32 tokens * 2 / 4 experts = 16
+    shapes = {tuple(n.args[0].meta["val"].shape) for n in bmm}
+    assert (4, cap, 32) in shapes, shapes  # [E, capacity, d] @ w1/w3
+    flops = []
+    for m in (dense, disp):
+        with FlopCounterMode(display=False) as fc:
+            m(x, x)
+        flops.append(fc.get_total_flops())
+    # 2 layers; tiny: d = ffn = 32, 4 experts, 32 tokens; 2 FLOPs per multiply-add
+    dense_experts = 2 * 3 * 2 * 4 * 32 * 32 * 32 + 2 * 2 * 4 * 32 * 32  # three products + the gate einsum
+    dispatched_experts = 2 * 3 * 2 * 4 * cap * 32 * 32  # three bmm over the capacity buffer
+    assert flops[0] - flops[1] == dense_experts - dispatched_experts
+
+
+def test_bench_flops_count_the_active_experts():
+    m = build("moe", "tiny")
+    c = m.cfg
+    total = sum(p.numel() for p in m.parameters())
+    experts = c.n_layer * 3 * c.n_expert * c.d_model * c.ffn
+    want = 6 * (total - experts * (c.n_expert - c.top_k) / c.n_expert) + 12 * c.n_layer * c.d_model * 16
+    assert flops_per_token(m, 16) == pytest.approx(want)
+
+
+def test_bad_capacity_factor():
+    with pytest.raises(ValueError, match="capacity_factor=0 must be a positive number"):
+        build("moe", "tiny", capacity_factor=0)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_dispatched_moe_parity(pools, strategy):
+    # pairs are dropped (capacity 1.0); each rank dispatches its own micro-batch, as the reference does
+    check(pools, "moe", strategy, "fp64", 2, steps=3, over=(("capacity_factor", 1.0),), loss_tol=1e-10,
+          param_tol=1e-10)
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch<2.13 inductor allocates the CPU flash-attention backward's logsumexp in fp32 for fp64 inputs",
+)
+def test_dispatched_moe_parity_inductor(pools):
+    check(pools, "moe", "zero3", "fp64", 2, steps=3, compile="inductor", over=(("capacity_factor", 1.0),),
+          loss_tol=1e-10, param_tol=1e-10)
