@@ -96,7 +96,7 @@ def test_cli_plan_json(capsys):
 def test_predictions_hold_the_published_runs_within_10pct():
     # bench/results/2026-11-30-plan-validation.md: the efficiency curve is fitted on two runs (22B and
     # 175B with selective recomputation); the others are predicted blind
-    from shardwise.planner.validation import KORTHIKANTI, MAXTEXT, MAXTEXT_V5E, OURS_H200X2, VTRAIN, table
+    from shardwise.planner.validation import KORTHIKANTI, MAXTEXT, MAXTEXT_V5E, OURS_8B, OURS_H200X2, VTRAIN, table
 
     rows = table()
     kor = [r for r in rows if r["source"] == KORTHIKANTI]
@@ -115,6 +115,13 @@ def test_predictions_hold_the_published_runs_within_10pct():
     assert len(ours) == 2 and not any(r["fitted"] for r in ours)
     for r in ours:
         assert abs(r["error"]) <= 0.10, r
+    # the 8B shape on the same two GPUs, blind: within 10% but shardwise's checkpointed step, which
+    # costs +22% over no recomputation where the planner adds a whole forward (+33%; FSDP2 + compile
+    # paid +37%), so it is predicted 12% slow
+    eight = {(r["run"].split(", ")[2], "checkpointing" in r["run"]): r["error"] for r in rows if r["source"] == OURS_8B}
+    assert len(eight) == 4, eight
+    assert all(abs(e) <= 0.10 for k, e in eight.items() if k != ("shardwise zero3 + memory plan", True)), eight
+    assert 0.10 < eight[("shardwise zero3 + memory plan", True)] < 0.15, eight
     # MaxText on TPU v5p slices of 64-512 chips, tensor parallel across torus axes, blind: the
     # selectively recomputed runs within 10% (its one fully recomputed run is 17% slow in the table)
     tpu = [r for r in rows if r["source"] == MAXTEXT and not r["fitted"] and "minimal" in r["run"]]
@@ -238,10 +245,10 @@ def test_activation_memory_is_korthikantis_table_2_term_by_term():
 
 def test_predicted_peak_memory_holds_our_measured_run():
     # bench/results/2026-11-30-plan-validation.md: blind, within 10% (was +69% with the scores counted)
-    from shardwise.planner.validation import OURS_H200_MEM, memory_table
+    from shardwise.planner.validation import OURS_8B, OURS_H200_MEM, memory_table
 
-    rows = [r for r in memory_table() if r["source"] == OURS_H200_MEM]
-    assert rows
+    rows = [r for r in memory_table() if r["source"] in (OURS_H200_MEM, OURS_8B)]
+    assert len(rows) == 3
     for r in rows:
         assert abs(r["error"]) <= 0.10, r
 

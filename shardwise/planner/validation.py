@@ -19,6 +19,7 @@ VTRAIN = "vTrain (Bang et al., MICRO 2024), github.com/VIA-Research/vTrain data/
          "Megatron-DeepSpeed on A100s, 800 Gb/s per 8-GPU node, full activation checkpointing"
 OURS_H200 = "shardwise bench, bench/results/2026-11-29-h200-llama1b-ws1.json (plain torch.compile row)"
 OURS_H200X2 = "shardwise bench, bench/results/2026-11-30-h200x2-llama1b-ws2.json (one sitting, NCCL-calibrated link)"
+OURS_8B = "shardwise bench, bench/results/2026-11-30-h200x2-llama8b-ws2{,-ckpt}.json (two sittings, NCCL-calibrated link)"
 TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (github.com/pytorch/torchtitan): " \
              "H100 SXM 96 GB HBM2e at a 500 W power limit, 400 Gb/s RDMA per GPU, sequence 8192 (its 8B config), " \
              "selective per-op activation checkpointing, bf16, torch of 2024-12-23"
@@ -139,6 +140,14 @@ RUNS: list[Run] = [
     Run("1.1B Llama, 2 H200 over NVLink, weights gathered once per step (shardwise zero3 + memory plan), 4x2048 per GPU",
         LLAMA_1B, "h200-nv18-x2:1", Strategy(zero=2, micro_batch=4, global_batch=8, recompute="none"), 0.1244,
         OURS_H200X2),
+    # the Llama 3 8B shape on the same two GPUs, 2x4096 per GPU; the planner's zero=2 stands for
+    # shardwise's memory plan (weights gathered once per step, kept to the backward)
+    *[Run(f"Llama 3 8B, 2 H200 over NVLink, {who}, 2x4096 per GPU, {'per-block checkpointing' if rc == 'full' else 'no recomputation'}",
+          model("llama3-8b"), "h200-nv18-x2:1", Strategy(zero=z, micro_batch=2, global_batch=4, seq=4096, recompute=rc),
+          s, OURS_8B)
+      for who, z, rc, s in (("FSDP2 + torch.compile", 3, "none", 0.8363), ("FSDP2 + torch.compile", 3, "full", 1.1435),
+                            ("shardwise zero3 + memory plan", 2, "none", 0.8148),
+                            ("shardwise zero3 + memory plan", 2, "full", 0.9921))],
     _titan(8, True, 6667), _titan(8, False, 5762), _titan(128, True, 6514), _titan(128, False, 5605),
     _v5p("32B", 32, "4x4x4", 7, "minimal", 4, 328, fitted=True), _v5p("64B", 64, "4x4x4", 3, "minimal", 4, 323),
     _v5p("128B", 128, "4x4x8", 1, "minimal", 8, 315), _v5p("128B", 128, "4x8x8", 1, "minimal", 8, 316),
@@ -252,6 +261,11 @@ MEMORY_RUNS: list[MemoryRun] = [
     # bf16 weight + bf16 gradient + fp32 master and moments), so the activations are what is tested
     MemoryRun("1.1B Llama, 1 H200, batch 4x2048, bf16 autocast, no recomputation",
               LLAMA_1B, "h200:1", Strategy(zero=0, micro_batch=4, recompute="none"), 28.949, OURS_H200_MEM),
+    # the 8B shape on two H200s without recomputation (max_memory_allocated); with per-block
+    # checkpointing every system peaked at 80.37 GB in AdamW's multi-tensor step (not in the planner)
+    *[MemoryRun(f"Llama 3 8B, 2 H200, {who}, 2x4096 per GPU, no recomputation", model("llama3-8b"),
+                "h200-nv18-x2:1", Strategy(zero=z, micro_batch=2, global_batch=4, seq=4096, recompute="none"), gb,
+                OURS_8B) for who, z, gb in (("FSDP2 + torch.compile", 3, 97.070), ("shardwise zero3 + memory plan", 2, 107.262))],
     # torchtitan's figure is the allocator's peak reserved memory (GiB), with FSDP + torch.compile
     *[MemoryRun(f"Llama 3.1 8B, {g} H100, FSDP + torch.compile, 2x8192 per GPU, selective per-op checkpointing",
                 model("llama3-8b"), f"dgx-h100:{g // 8}",
