@@ -318,6 +318,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
 
     inner = getattr(opt, "optimizer", None)  # DeepSpeed's ZeRO wrapper holds the optimizer that steps
     row["optimizer"] = optimizer_kind(inner if isinstance(inner, torch.optim.Optimizer) else opt)
+    if system.startswith("shardwise") and job.state.streamer is not None:
+        row["optimizer"] = f"{type(opt).__name__} (offloaded: streamed per chunk, part on the host)"
     warmup = cfg.warmup
     if system.startswith("deepcompile"):
         # DeepCompile profiles the first steps, then at its WARMUP-th step resets dynamo and recompiles

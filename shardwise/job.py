@@ -826,7 +826,10 @@ class Job:
         if self.last_optimizer_s is not None:
             return self.last_optimizer_s
         nbytes = sum(t.numel() * t.element_size() for t in self.state.opt_tensors.values())
-        update = 7 * nbytes / dev.bandwidth
+        # fused: read parameter, gradient and two moments, write three; torch's multi-tensor and loop
+        # Adam make about 20 passes of a parameter's bytes (decay, lerp, two for v, sqrt, div, add, addcdiv)
+        adam = isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        update = (20 if adam and not self.optimizer.defaults.get("fused") else 7) * nbytes / dev.bandwidth
         st = self.state.streamer
         if st is None:
             return update

@@ -137,7 +137,11 @@ class ShardedState:
     def set_grads(self, grads: dict[str, torch.Tensor]) -> None:
         for n, g in grads.items():
             t = self.opt_tensors[n]
-            t.grad = g if g.dtype == t.dtype else g.to(t.dtype)
+            if g.dtype != t.dtype or g.stride() != t.stride():
+                # the parameter's dtype and layout: a graph may return a gradient with other strides
+                # (an einsum's), which fused optimizer kernels reject on CUDA and misapply on CPU
+                g = torch.empty_like(t, memory_format=torch.preserve_format).copy_(g)
+            t.grad = g
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -300,7 +304,20 @@ def fused_twin(opt: torch.optim.Optimizer, want: bool | None) -> torch.optim.Opt
     kwargs = {k: v for k, v in d.items() if k in takes}
     kwargs.update(fused=True, foreach=None)
     groups = [{**g, "fused": True, "foreach": None} for g in opt.param_groups]
-    return type(opt)(groups, **kwargs)
+    fused = type(opt)(groups, **kwargs)
+    fused.register_load_state_dict_post_hook(_stay_fused)
+    return fused
+
+
+def _stay_fused(opt: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of a state saved by another kernel: the loaded groups say which kernel
+    saved them, so set the fused one again, with its ``step`` counters where it keeps them."""
+    for g in opt.param_groups:
+        g["fused"], g["foreach"] = True, None
+        for p in g["params"]:
+            st = opt.state.get(p, {})
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
 
 
 def optimizer_kind(opt: torch.optim.Optimizer) -> str:
