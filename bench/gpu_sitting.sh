@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One bench sitting on a multi-GPU machine (issues 4 and 7): NCCL calibration once per sitting, then
-# `shardwise bench` of the Llama shape SIZE on NPROC GPUs with the calibrated link profile, rank 0's
+# `shardwise bench` of the MODEL (default llama) shape SIZE on NPROC GPUs with the calibrated link profile, rank 0's
 # chrome trace of every system's profiled step packed into one tar.
 # Usage (device tool, nvidia-h200-x2):
 #   SHARDWISE_COMMIT=<hash> NPROC=2 SIZE=1b BATCH=4 SEQ=2048 SYSTEMS=shardwise,fsdp2 NAME=x bash bench/gpu_sitting.sh
@@ -19,8 +19,8 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site ]; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-NPROC=${NPROC:-2}; SIZE=${SIZE:-1b}; BATCH=${BATCH:-4}; SEQ=${SEQ:-2048}; SYSTEMS=${SYSTEMS:-shardwise}
-NAME=${NAME:-h200-llama$SIZE-ws$NPROC}; LINK=$SITTING/link-nccl-ws$NPROC.json
+NPROC=${NPROC:-2}; MODEL=${MODEL:-llama}; SIZE=${SIZE:-1b}; BATCH=${BATCH:-4}; SEQ=${SEQ:-2048}; SYSTEMS=${SYSTEMS:-shardwise}
+NAME=${NAME:-h200-$MODEL$SIZE-ws$NPROC}; LINK=$SITTING/link-nccl-ws$NPROC.json
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$SITTING/machine.txt"
 nvidia-smi topo -m >> "$SITTING/machine.txt" 2>&1
 if [ "$NPROC" -gt 1 ] && [ ! -f "$LINK" ]; then
@@ -28,7 +28,7 @@ if [ "$NPROC" -gt 1 ] && [ ! -f "$LINK" ]; then
     --max-bytes $((1 << 30)) --name "nccl-h200-ws$NPROC" --out "$LINK" 2>&1 | grep -v -i warn | tee "$SITTING/calibrate.log"
 fi
 LP=(); [ -f "$LINK" ] && LP=(--link-profile "$LINK")
-timeout ${BENCH_TIMEOUT:-540} torchrun --nproc-per-node "$NPROC" -m shardwise.cli bench --model llama --size "$SIZE" \
+timeout ${BENCH_TIMEOUT:-540} torchrun --nproc-per-node "$NPROC" -m shardwise.cli bench --model "$MODEL" --size "$SIZE" \
   --batch "$BATCH" --seq "$SEQ" --precision bf16 --systems "$SYSTEMS" --steps ${STEPS:-6} --warmup 2 "${LP[@]}" \
   --trace-dir "$SITTING/traces-$NAME" ${SYSTEM_TIMEOUT:+--system-timeout $SYSTEM_TIMEOUT} ${EXTRA:-} \
   --out "$SITTING" --name "$NAME" --append 2>&1 \
