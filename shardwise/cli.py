@@ -450,9 +450,10 @@ def _plan_parser(sub) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: one micro-batch per rank)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--recompute", choices=["none", "selective", "selective-op", "full"], default="selective",
+    p.add_argument("--recompute", choices=["none", "selective", "selective-op", "block", "full"], default="selective",
                    help="selective: attention recomputed (Korthikanti); selective-op: torchtitan's per-op policy "
-                   "(every other matrix product kept); full: each layer's forward")
+                   "(every other matrix product kept); block: torch.utils.checkpoint per layer (FSDP2, shardwise; "
+                   "all of the layer's forward but its last product); full: each layer's whole forward (Megatron)")
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")

@@ -115,15 +115,15 @@ def test_predictions_hold_the_published_runs_within_10pct():
     assert len(ours) == 2 and not any(r["fitted"] for r in ours)
     for r in ours:
         assert abs(r["error"]) <= 0.10, r
-    # the 8B shape on the same two GPUs, blind: within 10% but shardwise's checkpointed step, which
-    # costs +22% over no recomputation where the planner adds a whole forward (+33%; FSDP2 + compile
-    # paid +37%), so it is predicted 12% slow
+    # the 8B shape on the same two GPUs, blind, with and without per-block checkpointing (planned as
+    # "block": the layer's forward but its down projection; as "full", a whole forward, shardwise's
+    # checkpointed step was 12.5% slow)
     eight = {(r["run"].split(", ")[2], "checkpointing" in r["run"]): r["error"] for r in rows if r["source"] == OURS_8B}
     assert len(eight) == 4, eight
-    assert all(abs(e) <= 0.10 for k, e in eight.items() if k != ("shardwise zero3 + memory plan", True)), eight
-    assert 0.10 < eight[("shardwise zero3 + memory plan", True)] < 0.15, eight
+    assert all(abs(e) <= 0.10 for e in eight.values()), eight
     # MaxText on TPU v5p slices of 64-512 chips, tensor parallel across torus axes, blind: the
-    # selectively recomputed runs within 10% (its one fully recomputed run is 17% slow in the table)
+    # selectively recomputed runs within 10% (its one fully rematerialized run, planned as per-layer
+    # "block" recomputation, is 10.4% slow)
     tpu = [r for r in rows if r["source"] == MAXTEXT and not r["fitted"] and "minimal" in r["run"]]
     assert len(tpu) == 4
     for r in tpu:
@@ -398,3 +398,25 @@ def test_multi_slice_tpu_clusters_join_slices_over_the_data_center_network():
         cluster("tpu-v5p:4x4x4*2")
     with pytest.raises(ValueError, match="SLICES"):
         cluster("tpu-v5e:16x16*two")
+
+
+def test_block_recomputation_reruns_each_layer_but_its_down_projection():
+    # torch.utils.checkpoint per layer (FSDP2, shardwise's captured step; XLA's remat after dead-code
+    # elimination): the backward needs the layer's last product only as the next layer's saved input
+    m = MODELS["llama3-8b"]
+    c = cluster("dgx-h100:1")
+    est = {rc: estimate(m, c, Strategy(tp=8, zero=1, micro_batch=1, global_batch=1, seq=4096, recompute=rc))
+           for rc in ("none", "block", "full")}
+    tokens, h, L = 4096, m.hidden, m.layers
+    layer_matmul = m.layer_params(True) - 2 * h
+    block = L * (2.0 * (layer_matmul - m.ffn * h) + 4.0 * m.q_dim * tokens)
+    full = m.flops_per_token(tokens) / 3
+    per_flop = tokens / 8 / (c.accel.peak_flops * c.accel.efficiency(h / 8))
+    # the same elementwise work is redone under both; the products differ by the down projections
+    # and the head, which block does not rerun
+    assert est["full"].compute_s - est["block"].compute_s == pytest.approx((full - block) * per_flop, rel=1e-9)
+    assert 0.70 < block / full < 0.75
+    # one more tensor-parallel reduction per layer (the attention's), not two; the same activations kept
+    assert est["block"].tp_comm_s == pytest.approx(est["none"].tp_comm_s * 5 / 4)
+    assert est["full"].tp_comm_s == pytest.approx(est["none"].tp_comm_s * 6 / 4)
+    assert est["block"].memory["activations"] == est["full"].memory["activations"]

@@ -36,7 +36,7 @@ from .clusters import ClusterSpec
 from .models import ModelSpec
 
 
-RECOMPUTE = ("none", "selective", "selective-op", "full")
+RECOMPUTE = ("none", "selective", "selective-op", "block", "full")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,10 @@ class Strategy:
     recompute: str = "selective"
     """none, selective (attention recomputed), selective-op (PyTorch's per-op selective checkpointing
     as torchtitan sets it: every other matrix product's output and the attention output kept, the
-    rest of the layer's forward recomputed) or full (every layer's forward)."""
+    rest of the layer's forward recomputed), block (``torch.utils.checkpoint`` around each layer, as
+    FSDP2, torchtitan's full AC and shardwise's captured step do: the layer's forward but its last
+    product, whose output the backward needs only as the next layer's saved input) or full (every
+    layer's whole forward, Megatron's)."""
     sp: bool = True
     """Sequence parallelism alongside tensor parallelism."""
     virtual: int = 1
@@ -149,6 +152,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     layer_matmul = model.layer_params(True) - 2 * h  # weights a token multiplies in one layer
     extra = {"none": 0.0, "selective": 4.0 * L * model.q_dim * seq,
              "selective-op": L * layer_matmul,  # half of the layers' forward matrix products (2 FLOPs a weight)
+             # the forward's products but the down projection, and attention's forward (12·L·d·T / 3)
+             "block": L * (2.0 * (layer_matmul - model.ffn * h * model.top_k) + 4.0 * model.q_dim * seq),
              "full": fpt / 3.0}[st.recompute]
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
@@ -158,8 +163,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     elementwise = tokens / dp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
     compute = matmul + elementwise
 
-    # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute)
-    per_layer = (6 if st.recompute == "full" else 4)
+    # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute,
+    # +1 under block: the MLP's reduction follows the down projection, which is not recomputed)
+    per_layer = {"full": 6, "block": 5}.get(st.recompute, 4)
     layers_here = -(-L // st.pp)  # the fullest stage sets the pace when layers do not split evenly
     act_bytes = 2.0 * b * seq * h
     one = cluster.collective_s("all_reduce", act_bytes, st.tp)
@@ -202,7 +208,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # step, a gradient reduction through the backward (with a pipeline, the last micro-batch's only,
     # where the stage's gradients become ready); what does not fit there is exposed
     window = (compute / m if st.pp > 1 else compute) * (
-        1.0 if st.zero == 3 and st.pp == 1 else (0.75 if st.recompute == "full" else 2 / 3))
+        1.0 if st.zero == 3 and st.pp == 1 else (0.75 if st.recompute in ("full", "block") else 2 / 3))
     dp_exposed = max(st.dp_exposed * dp_comm, dp_comm - window)
 
     # optimizer: read/write fp32 master, two moments, read the gradient: ~28 bytes per parameter held
@@ -220,7 +226,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     per_layer_act = model.layer_activation_bytes(seq, b, st.tp, st.sp, st.recompute, st.fused_attention)
     in_flight = min(st.pp, m) if st.pp > 1 else 1
     activations = per_layer_act * layers_here * in_flight
-    if st.recompute == "full":  # one layer's working set is rebuilt at a time
+    if st.recompute in ("full", "block"):  # one layer's working set is rebuilt at a time
         activations += model.layer_activation_bytes(seq, b, st.tp, st.sp, "none", st.fused_attention)
     logits = 4.0 * seq * b * model.vocab / st.tp if st.pp == 1 else 0.0
     activations += logits
@@ -265,7 +271,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
 def _activation_formula(model: ModelSpec, st: Strategy) -> str:
     """``ModelSpec.layer_activation_bytes`` as a formula, for ``--explain``."""
-    if st.recompute == "full":
+    if st.recompute in ("full", "block"):
         return "2·s·b·d/tp"
     if st.recompute == "selective-op":
         whole, split = "4·s·b·d", "2·s·b·(2·q + kv + ffn)"

@@ -93,11 +93,11 @@ class ModelSpec:
         expert). The attention scores (5·a·s²·b) only when the attention is not fused (flash
         attention recomputes them) and not recomputed (``selective``). For Megatron's GPT (ffn = 4h,
         kv = h, dropout) this is the paper's ``sbh·(10 + 24/t + 5as/(ht))``. Full recomputation keeps
-        the layer's input alone (2·sbh/t); per-op selective recomputation (``selective-op``) the
+        the layer's input alone (2·sbh/t), and so does per-layer ``block`` checkpointing; per-op selective recomputation (``selective-op``) the
         layer's input, every other matrix product's output and the attention output."""
         sb = seq * micro_batch
         sbh = sb * self.hidden
-        if recompute == "full":
+        if recompute in ("full", "block"):
             return 2.0 * sbh / tp
         kv = self.kv_heads * self.head_dim
         if recompute == "selective-op":
@@ -135,8 +135,8 @@ class ModelSpec:
         act = (6.0 if self.gated else 4.0) * self.ffn * self.top_k / tp
         scores = 0.0 if fused_attention else (13.0 if self.dropout else 8.0) * self.heads * seq / tp
         fwd_e, fwd_s = hidden + act, scores
-        return (fwd_e * (3 + (recompute in ("full", "selective-op")))
-                + fwd_s * (3 + (recompute in ("full", "selective"))))
+        return (fwd_e * (3 + (recompute in ("full", "block", "selective-op")))
+                + fwd_s * (3 + (recompute in ("full", "block", "selective"))))
 
     def __str__(self) -> str:
         moe = f", {self.experts} experts top-{self.top_k}" if self.experts > 1 else ""
