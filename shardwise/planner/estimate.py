@@ -4,13 +4,15 @@ Layout of ranks (Megatron's): tensor parallel innermost (inside a node), then pi
 then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 
 - compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward
-  under full recomputation, the attention core under selective) over the GPUs, at the accelerator's
+  under full recomputation, all of it but each dense layer's down projection under block, the
+  attention core under selective) over the GPUs, at the accelerator's
   fitted share of the datasheet peak (clusters.Accelerator.efficiency), plus the memory-bound
   kernels' bytes (norms, activations, residual adds, unfused attention scores:
   models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth;
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
   forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
-  same bytes), two more under full recomputation; not overlapped (Megatron's default) unless
+  same bytes), two more under full recomputation (block: one, 1.5 with sequence parallelism, where
+  the rerun MLP input is all-gathered again); not overlapped (Megatron's default) unless
   ``tp_exposed`` says what share stays exposed (XLA on TPUs overlaps it);
 - pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute;
 - data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the
@@ -23,7 +25,7 @@ Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 by
 the ZeRO paper's mixed-precision figure), divided as the ZeRO stage says; activations per layer
 per Korthikanti et al. 2022, term by term (models.ModelSpec.layer_activation_bytes: their
 ``s·b·h·(34 + 5·a·s/h)`` for Megatron's GPT with the attention scores kept, 34·s·b·h without them,
-2·s·b·h under full recomputation; divided by ``tp`` with sequence parallelism), times the
+2·s·b·h under full and block recomputation; divided by ``tp`` with sequence parallelism), times the
 micro-batches in flight on the first stage (1F1B: ``pp``), plus the fp32 logits of the loss
 (4·s·b·v/t) where one stage holds the whole model.
 """
@@ -152,8 +154,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     layer_matmul = model.layer_params(True) - 2 * h  # weights a token multiplies in one layer
     extra = {"none": 0.0, "selective": 4.0 * L * model.q_dim * seq,
              "selective-op": L * layer_matmul,  # half of the layers' forward matrix products (2 FLOPs a weight)
-             # the forward's products but the down projection, and attention's forward (12·L·d·T / 3)
-             "block": L * (2.0 * (layer_matmul - model.ffn * h * model.top_k) + 4.0 * model.q_dim * seq),
+             # the forward's products but a dense layer's down projection, and attention's forward
+             # (12·L·d·T / 3); an MoE layer's gate multiply saves each expert's output, so the experts'
+             # down projections are rerun too
+             "block": L * (2.0 * (layer_matmul - (model.ffn * h if model.experts == 1 else 0))
+                           + 4.0 * model.q_dim * seq),
              "full": fpt / 3.0}[st.recompute]
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
@@ -163,20 +168,24 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     elementwise = tokens / dp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
     compute = matmul + elementwise
 
-    # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute,
-    # +1 under block: the MLP's reduction follows the down projection, which is not recomputed)
-    per_layer = {"full": 6, "block": 5}.get(st.recompute, 4)
+    # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute;
+    # under block +1, the attention's, as the MLP's reduction follows the down projection, which is not
+    # rerun; with sequence parallelism the rerun MLP input's all-gather adds half of one; MoE: +2)
+    rerun = 2.0 if st.recompute == "full" or (st.recompute == "block" and model.experts > 1) else (
+        (1.5 if st.sp and st.tp > 1 else 1.0) if st.recompute == "block" else 0.0)
+    per_layer = 4 + rerun
     layers_here = -(-L // st.pp)  # the fullest stage sets the pace when layers do not split evenly
     act_bytes = 2.0 * b * seq * h
     one = cluster.collective_s("all_reduce", act_bytes, st.tp)
     tp_comm = per_layer * layers_here * m * one
 
     # expert parallel: per MoE layer and micro-batch, an all-to-all to the experts and one back, in the
-    # forward and in the backward (and the forward's again under full recomputation)
+    # forward and in the backward (and the forward's again under full or block recomputation)
     ep_comm = 0.0
     if st.ep > 1:
         a2a_bytes = 2.0 * b * seq * h * model.top_k / (st.tp if st.sp else 1)
-        ep_comm = (per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, st.tp * st.pp))
+        a2a_per_layer = 6 if st.recompute in ("full", "block") else 4
+        ep_comm = (a2a_per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, st.tp * st.pp))
 
     # pipeline bubble (1F1B, interleaved by `virtual`)
     bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
@@ -243,7 +252,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"{eff:.3f}) = {g(matmul)} s",
         f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
         f"= {g(elementwise)} s; compute = {g(compute)} s",
-        f"tensor parallel = {per_layer} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
+        f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
@@ -258,7 +267,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"= {g(total)} B",
     ]
     if st.ep > 1:
-        formulas.insert(4, f"expert parallel = {per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
+        formulas.insert(4, f"expert parallel = {a2a_per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
                            f"{st.ep} ranks = {g(ep_comm)} s")
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
                     tp_exposed_s=tp_share * tp_comm,
@@ -271,8 +280,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
 def _activation_formula(model: ModelSpec, st: Strategy) -> str:
     """``ModelSpec.layer_activation_bytes`` as a formula, for ``--explain``."""
-    if st.recompute in ("full", "block"):
+    if st.recompute == "full" or (st.recompute == "block" and st.sp):
         return "2·s·b·d/tp"
+    if st.recompute == "block":
+        return "2·s·b·d"
     if st.recompute == "selective-op":
         whole, split = "4·s·b·d", "2·s·b·(2·q + kv + ffn)"
     else:

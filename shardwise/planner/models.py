@@ -97,8 +97,10 @@ class ModelSpec:
         layer's input, every other matrix product's output and the attention output."""
         sb = seq * micro_batch
         sbh = sb * self.hidden
-        if recompute in ("full", "block"):
+        if recompute == "full":
             return 2.0 * sbh / tp
+        if recompute == "block":  # torch's checkpoint keeps the layer input whole on each rank unless sequence parallel
+            return 2.0 * sbh / (tp if sp else 1)
         kv = self.kv_heads * self.head_dim
         if recompute == "selective-op":
             # the layer's input and the outputs it keeps: every other matrix product (Q, V, the MLP's
