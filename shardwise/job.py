@@ -267,6 +267,8 @@ class Job:
         self.optimizer = self.state.optimizer
         self.buffers = dict(model.named_buffers())
         self._programs: dict[tuple, tuple[Program, Callable]] = {}
+        # programs of a plan made again (a budget's check): reused where the new plan is the same code
+        self._replanned: dict[tuple, tuple[Program, Callable]] = {}
         self.clip_grad_norm = clip_grad_norm
         self.link_profile = None  # a LinkProfile, a preset name or a JSON path from `shardwise calibrate`
         self.last_comm_bytes = 0
@@ -275,6 +277,7 @@ class Job:
         self.memory_budget: int | None = None
         self.replan_at = 2  # the step whose measured peak checks a budgeted plan
         self.replans: list[dict] = []
+        self.recompiles_avoided = 0  # replans that made the same program again
         self._memory_slack = 0  # bytes the memory model under-predicted, learned from a measured step
         self.time_optimizer = False  # set to time the optimizer phase of each step (syncs the GPU)
         self.last_optimizer_s: float | None = None
@@ -367,7 +370,14 @@ class Job:
             plan_hash = hashlib.sha256(_rank_free(prog.gm.code).encode()).hexdigest()[:16]
             self._agree(f"capture {cap_hash} plan {plan_hash}", "graph")
             prog.hashes = {"capture": cap_hash, "plan": plan_hash}
-            self._programs[key] = (prog, self._executor(prog))
+            old = self._replanned.pop(key, None)
+            if old is not None and old[0].hashes == prog.hashes:
+                # the plan made again is the same program (hashes agreed on every rank, so every rank
+                # decides alike): keep its compiled code rather than compiling it again
+                self._programs[key] = old
+                self.recompiles_avoided += 1
+            else:
+                self._programs[key] = (prog, self._executor(prog))
             if mode == "step":
                 self._plan_residency(prog, tensors)
         return self._programs[key]
@@ -563,7 +573,9 @@ class Job:
         self._memory_slack = max(0, measured - predicted)
         self.replans.append({"step": self.steps, "predicted": predicted, "measured": measured,  # steps done
                              "held_back": self._memory_slack})
-        self._programs.clear()  # the next step compiles the plan again under the corrected budget
+        # the next step plans again under the corrected budget (and compiles only a plan that changed)
+        self._replanned.update(self._programs)
+        self._programs.clear()
 
     def _step(self, batch) -> torch.Tensor:
         micro = batch if isinstance(batch, list) else [batch]

@@ -478,6 +478,7 @@ def replan_run(budget, under):
         _, peak = measure(job, lambda: job.step(b))
     finally:
         cm.liveness = true
+    assert job.recompiles_avoided == 0  # the plan changed: compiled again
     return job.replans, before, after, peak
 
 
