@@ -457,6 +457,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--capacity", type=float, default=1.0,
+                   help="MoE expert capacity factor: experts compute on this many times their routed tokens "
+                        "(capacity dispatch, e.g. 1.25; default 1: exact top-k)")
     p.add_argument("--shard", type=int, default=None,
                    help="hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (e.g. a "
                         "node's GPUs) and the groups all-reduce their gradient shards (default: one group)")
@@ -508,7 +511,8 @@ def plan_main(args) -> None:
         m, c = model(args.model), cluster(args.cluster)
         st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
-                      virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard)
+                      virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
+                      capacity=args.capacity)
         if args.sweep:
             from shardwise.planner import sweep
 

@@ -7,7 +7,7 @@ import pytest
 
 from shardwise.planner.clusters import cluster
 from shardwise.planner.estimate import Strategy, estimate
-from shardwise.planner.models import MODELS, from_hf_config, model
+from shardwise.planner.models import MODELS, ModelSpec, from_hf_config, model
 
 
 @pytest.mark.parametrize("name,total,active", [
@@ -436,3 +436,22 @@ def test_block_recomputation_reruns_each_layer_but_its_down_projection():
     assert mo["block"].tp_comm_s == pytest.approx(mo["full"].tp_comm_s)
     head = 2.0 * moe.vocab * moe.hidden * 4096 / 8 / (c.accel.peak_flops * c.accel.efficiency(moe.hidden / 8))
     assert mo["full"].compute_s - mo["block"].compute_s == pytest.approx(head, rel=1e-6)
+
+
+def test_capacity_dispatch_pads_the_experts_compute_and_activations():
+    # Mixtral 8x7B's layer, 8 of its layers (the bench's moe 8x7b-8l): experts padded to 1.25x
+    m = ModelSpec("mixtral-8x7b-8l", 8, 4096, 32, 8, 14336, 32000, seq=4096, experts=8, top_k=2)
+    c = cluster("h200-nv18-x2:1")
+    est = {cf: estimate(m, c, Strategy(zero=3, micro_batch=1, global_batch=2, seq=4096, recompute="none", capacity=cf))
+           for cf in (1.0, 1.25)}
+    tokens = 4096  # per GPU
+    pad_flops = 6 * 8 * 2 * (3 * 4096 * 14336) * 0.25 * tokens
+    per_flop = 1 / (c.accel.peak_flops * c.accel.efficiency(4096))
+    ew = 8 * tokens * 6 * 14336 * 2 * 0.25 * 4 / (c.accel.hbm_bw * c.accel.mem_eff)  # act bytes x (fwd + 2 bwd + 1)
+    assert est[1.25].compute_s - est[1.0].compute_s == pytest.approx(pad_flops * per_flop + ew * 3 / 4, rel=1e-9)
+    assert est[1.25].mfu < est[1.0].mfu  # padding is not model FLOPs
+    # the expert activations kept (gate, up and their product per routed expert) grow by the factor
+    assert est[1.25].memory["activations"] - est[1.0].memory["activations"] == pytest.approx(
+        8 * 6 * tokens * 14336 * 2 * 0.25)
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        Strategy(capacity=0.8)

@@ -77,6 +77,10 @@ class Strategy:
     fused_attention: bool = True
     """Flash-style attention: the s x s scores are not kept for the backward (Megatron's 2022 runs
     kept them unless recomputed)."""
+    capacity: float = 1.0
+    """MoE expert capacity factor: each expert computes (and keeps activations for) this many times
+    its share of the routed tokens (GShard/Switch capacity dispatch pads to it; 1: exact top-k, as
+    grouped GEMMs run). Model FLOPs and MFU count the routed tokens alone."""
     shard: int | None = None
     """Hybrid sharding (FSDP2's HSDP, MaxText's FSDP inside a slice with data parallelism across):
     ZeRO shards the state over groups of ``shard`` neighbouring data-parallel ranks, which replicate
@@ -86,6 +90,8 @@ class Strategy:
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if not self.capacity >= 1.0:
+            raise ValueError(f"capacity must be at least 1 (an expert's share of the routed tokens), got {self.capacity}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0..3, got {self.zero}")
         for k in ("tp", "pp", "micro_batch", "virtual", "ep"):
@@ -160,11 +166,17 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
              "block": L * (2.0 * (layer_matmul - (model.ffn * h if model.experts == 1 else 0))
                            + 4.0 * model.q_dim * seq),
              "full": fpt / 3.0}[st.recompute]
+    # capacity dispatch: the experts also compute on their padding (and rerun it where they are rerun)
+    pad = 0.0
+    if model.experts > 1 and st.capacity > 1.0:
+        rerun = 4.0 / 3.0 if st.recompute in ("full", "block") else 1.0
+        pad = 6.0 * L * model.top_k * (model.expert_params() - (model.ffn + h if model.bias else 0)) \
+            * (st.capacity - 1.0) * rerun
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
-    matmul = tokens * (fpt + extra) / gpus / (acc.peak_flops * eff)
+    matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
     # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
-    ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention)
+    ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
     elementwise = tokens / dp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
     compute = matmul + elementwise
 
@@ -232,11 +244,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     weights = 2.0 * (dense_params / z(3, dp) + expert_params / z(3, dp // st.ep))
     grads = 2.0 * (dense_params / z(2, dp) + expert_params / z(2, dp // st.ep))
     optim = 12.0 * opt_params
-    per_layer_act = model.layer_activation_bytes(seq, b, st.tp, st.sp, st.recompute, st.fused_attention)
+    per_layer_act = model.layer_activation_bytes(seq, b, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
     in_flight = min(st.pp, m) if st.pp > 1 else 1
     activations = per_layer_act * layers_here * in_flight
     if st.recompute in ("full", "block"):  # one layer's working set is rebuilt at a time
-        activations += model.layer_activation_bytes(seq, b, st.tp, st.sp, "none", st.fused_attention)
+        activations += model.layer_activation_bytes(seq, b, st.tp, st.sp, "none", st.fused_attention, st.capacity)
     logits = 4.0 * seq * b * model.vocab / st.tp if st.pp == 1 else 0.0
     activations += logits
     total = weights + grads + optim + activations

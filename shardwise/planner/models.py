@@ -82,7 +82,7 @@ class ModelSpec:
         return 6.0 * matmul + 12.0 * self.layers * self.q_dim * seq
 
     def layer_activation_bytes(self, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
-                               recompute: str = "none", fused_attention: bool = True) -> float:
+                               recompute: str = "none", fused_attention: bool = True, capacity: float = 1.0) -> float:
         """Bytes one layer keeps for its backward per micro-batch (16-bit activations, 1-byte dropout
         masks): Korthikanti et al. 2022's accounting (section 4, Table 2), term by term, so that it
         also holds for gated MLPs, grouped-query attention and models without dropout. Kept whole on
@@ -94,7 +94,8 @@ class ModelSpec:
         attention recomputes them) and not recomputed (``selective``). For Megatron's GPT (ffn = 4h,
         kv = h, dropout) this is the paper's ``sbh·(10 + 24/t + 5as/(ht))``. Full recomputation keeps
         the layer's input alone (2·sbh/t), and so does per-layer ``block`` checkpointing; per-op selective recomputation (``selective-op``) the
-        layer's input, every other matrix product's output and the attention output."""
+        layer's input, every other matrix product's output and the attention output. ``capacity``
+        scales an MoE layer's expert activations (capacity dispatch pads each expert's buffer)."""
         sb = seq * micro_batch
         sbh = sb * self.hidden
         if recompute == "full":
@@ -106,16 +107,17 @@ class ModelSpec:
             # the layer's input and the outputs it keeps: every other matrix product (Q, V, the MLP's
             # first and last) and the attention's; the last product's output is whole on every rank
             whole = 4.0 * sbh
-            split = 2.0 * sb * (2 * self.q_dim + kv + self.ffn * self.top_k)
+            split = 2.0 * sb * (2 * self.q_dim + kv + self.ffn * self.top_k * capacity)
         else:
             whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
-            split = 4.0 * sb * self.q_dim + 4.0 * sb * kv + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k
+            split = (4.0 * sb * self.q_dim + 4.0 * sb * kv
+                     + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k * capacity)
             if recompute == "none" and not fused_attention:
                 split += 5.0 * self.heads * seq * sb
         return (whole + split) / tp if sp else whole + split / tp
 
     def elementwise_bytes(self, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none",
-                          fused_attention: bool = True) -> float:
+                          fused_attention: bool = True, capacity: float = 1.0) -> float:
         """HBM bytes one token moves through one layer's memory-bound (non-matmul) kernels on one
         tensor-parallel rank in a training step, counted from the kernels of an unfused 16-bit layer:
 
@@ -134,7 +136,7 @@ class ModelSpec:
         kernels move less (the accelerator's fitted ceiling absorbs some of that)."""
         h = self.hidden
         hidden = (2 * 4 + 2 * (7 if self.dropout else 6)) * h / (tp if sp else 1)
-        act = (6.0 if self.gated else 4.0) * self.ffn * self.top_k / tp
+        act = (6.0 if self.gated else 4.0) * self.ffn * self.top_k * capacity / tp
         scores = 0.0 if fused_attention else (13.0 if self.dropout else 8.0) * self.heads * seq / tp
         fwd_e, fwd_s = hidden + act, scores
         return (fwd_e * (3 + (recompute in ("full", "block", "selective-op")))
