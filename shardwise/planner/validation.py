@@ -76,6 +76,21 @@ def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = Fa
                         recompute="block", shard=256 if many else None), step, MAXTEXT_V5E, fitted=fitted)
 
 
+MAXTEXT_A3 = "MaxText, MaxText/configs/a3/llama_2_7b/README.md and 1vm.sh (github.com/AI-Hypercomputer/maxtext): " \
+             "TFLOP/s per chip on one A3 VM (8 H100 80GB, NVLink), FSDP over the 8, per-device batch 4 x 4096, " \
+             "minimal_flash remat, cuDNN flash attention, synthetic data"
+
+
+def _a3_llama2_7b() -> "Run":
+    # one A3 VM: 492 TFLOP/s per chip; its later rows (2-16 VMs) cross Google's GPUDirect-TCPX network,
+    # whose bandwidth is not in our sources
+    m = ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, seq=4096)
+    step = 4 * 4096 * m.flops_per_token(4096) / 492e12
+    return Run("Llama 2 7B, one A3 (8 H100) under MaxText/XLA, FSDP, 4x4096 per GPU, minimal_flash remat", m,
+               "dgx-h100:1", Strategy(zero=3, micro_batch=4, global_batch=32, seq=4096, recompute="selective"),
+               step, MAXTEXT_A3)
+
+
 # MaxText's v5e README, TFLOP/s per chip on 2 to 32 slices: (size, per-chip batch, {slices: TFLOP/s})
 V5E_SLICES = [("16B", 16, 6, {2: 117, 4: 117, 8: 115, 16: 111, 32: 108}),
               ("32B", 32, 4, {2: 128, 4: 126, 8: 125, 16: 123, 32: 119}),
@@ -149,6 +164,7 @@ RUNS: list[Run] = [
       for who, z, rc, s in (("FSDP2 + torch.compile", 3, "none", 0.8363), ("FSDP2 + torch.compile", 3, "block", 1.1435),
                             ("shardwise zero3 + memory plan", 2, "none", 0.8148),
                             ("shardwise zero3 + memory plan", 2, "block", 0.9921))],
+    _a3_llama2_7b(),
     _titan(8, True, 6667), _titan(8, False, 5762), _titan(128, True, 6514), _titan(128, False, 5605),
     _v5p("32B", 32, "4x4x4", 7, "minimal", 4, 328, fitted=True), _v5p("64B", 64, "4x4x4", 3, "minimal", 4, 323),
     _v5p("128B", 128, "4x4x8", 1, "minimal", 8, 315), _v5p("128B", 128, "4x8x8", 1, "minimal", 8, 316),
