@@ -96,8 +96,8 @@ def test_cli_plan_json(capsys):
 def test_predictions_hold_the_published_runs_within_10pct():
     # bench/results/2026-11-30-plan-validation.md: the efficiency curve is fitted on two runs (22B and
     # 175B with selective recomputation); the others are predicted blind
-    from shardwise.planner.validation import (KORTHIKANTI, MAXTEXT, MAXTEXT_A3, MAXTEXT_V5E, OURS_8B, OURS_H200X2,
-                                              VTRAIN, table)
+    from shardwise.planner.validation import (KORTHIKANTI, MAXTEXT, MAXTEXT_A3, MAXTEXT_V4, MAXTEXT_V5E, OURS_8B,
+                                              OURS_H200X2, VTRAIN, table)
 
     rows = table()
     kor = [r for r in rows if r["source"] == KORTHIKANTI]
@@ -125,6 +125,11 @@ def test_predictions_hold_the_published_runs_within_10pct():
     # MaxText (JAX/XLA) on one 8-H100 A3 VM, FSDP, blind on the Hopper share fitted on our H200 run
     a3 = [r for r in rows if r["source"] == MAXTEXT_A3]
     assert len(a3) == 1 and abs(a3[0]["error"]) <= 0.10, a3
+    # MaxText on single TPU v4 slices (64 and 192 chips), FSDP, full remat: blind with the A100's share
+    v4 = [r for r in rows if r["source"] == MAXTEXT_V4]
+    assert len(v4) == 2 and not any(r["fitted"] for r in v4)
+    for r in v4:
+        assert abs(r["error"]) <= 0.10, r
     # MaxText on TPU v5p slices of 64-512 chips, tensor parallel across torus axes, blind: the
     # selectively recomputed runs within 10% (its one fully rematerialized run, planned as per-layer
     # "block" recomputation, is 10.6% slow)

@@ -76,6 +76,19 @@ def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = Fa
                         recompute="block", shard=256 if many else None), step, MAXTEXT_V5E, fitted=fitted)
 
 
+MAXTEXT_V4 = "MaxText, MaxText/configs/v4/README.md and v4/22b.sh, v4/52b.sh (github.com/AI-Hypercomputer/maxtext): " \
+             "TFLOP/s per chip on one slice, FSDP over all of its chips, full remat, sequence 2048, synthetic data"
+
+
+def _v4(label: str, m: ModelSpec, slice_: str, per_chip: int, tflops: float) -> "Run":
+    # one v4 slice (a 3-D torus), FSDP over every chip, every layer rematerialized; the A100's share (no
+    # v4 run is fitted)
+    chips = cluster(f"tpu-v4:{slice_}").gpus
+    return Run(f"{label} on TPU v4 {slice_} ({chips} chips), FSDP, {per_chip}x2048 per chip, full remat", m,
+               f"tpu-v4:{slice_}", Strategy(zero=3, micro_batch=per_chip, global_batch=per_chip * chips, seq=2048,
+                                            recompute="block"), _maxtext_step(m, per_chip, tflops), MAXTEXT_V4)
+
+
 MAXTEXT_A3 = "MaxText, MaxText/configs/a3/llama_2_7b/README.md and 1vm.sh (github.com/AI-Hypercomputer/maxtext): " \
              "TFLOP/s per chip on one A3 VM (8 H100 80GB, NVLink), FSDP over the 8, per-device batch 4 x 4096, " \
              "minimal_flash remat, cuDNN flash attention, synthetic data"
@@ -165,6 +178,11 @@ RUNS: list[Run] = [
                             ("shardwise zero3 + memory plan", 2, "none", 0.8148),
                             ("shardwise zero3 + memory plan", 2, "block", 0.9921))],
     _a3_llama2_7b(),
+    # MaxText's v4 configs: width, layers, heads (of 128), MLP (gated) as their flags set them
+    _v4("MaxText 22B", ModelSpec("maxtext-22b", 48, 6144, 24, 24, 24576, 32000, seq=2048, head_size=128),
+        "4x4x4", 13, 156),
+    _v4("MaxText 52B", ModelSpec("maxtext-52b", 32, 12288, 32, 32, 49152, 32000, seq=2048, head_size=128),
+        "4x4x12", 7, 154),
     _titan(8, True, 6667), _titan(8, False, 5762), _titan(128, True, 6514), _titan(128, False, 5605),
     _v5p("32B", 32, "4x4x4", 7, "minimal", 4, 328, fitted=True), _v5p("64B", 64, "4x4x4", 3, "minimal", 4, 323),
     _v5p("128B", 128, "4x4x8", 1, "minimal", 8, 315), _v5p("128B", 128, "4x8x8", 1, "minimal", 8, 316),
