@@ -24,6 +24,8 @@ TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 
              "H100 SXM 96 GB HBM2e at a 500 W power limit, 400 Gb/s RDMA per GPU, sequence 8192 (its 8B config), " \
              "selective per-op activation checkpointing, bf16, torch of 2024-12-23"
 LLAMA_1B = ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048)
+LLAMA2_70B = ModelSpec("llama2-70b", 80, 8192, 64, 8, 28672, 32000, seq=4096)
+MISTRAL_7B = ModelSpec("mistral-7b", 32, 4096, 32, 8, 14336, 32000, seq=8192)
 
 
 MAXTEXT = "MaxText, MaxText/configs/v5p/README.md and the v5p/<size>.sh configs (github.com/AI-Hypercomputer/" \
@@ -87,6 +89,21 @@ def _v4(label: str, m: ModelSpec, slice_: str, per_chip: int, tflops: float) -> 
     return Run(f"{label} on TPU v4 {slice_} ({chips} chips), FSDP, {per_chip}x2048 per chip, full remat", m,
                f"tpu-v4:{slice_}", Strategy(zero=3, micro_batch=per_chip, global_batch=per_chip * chips, seq=2048,
                                             recompute="block"), _maxtext_step(m, per_chip, tflops), MAXTEXT_V4)
+
+
+TPU_RECIPES = "AI-Hypercomputer/tpu-recipes, training/trillium/<model>-MaxText/.../README.md (MaxText on TPU v6e): " \
+              "the step time its example log prints, with the tuning parameters the README gives"
+
+
+def _v6e(label: str, m: ModelSpec, topology: str, per_chip: int, seq: int, recompute: str, step_s: float,
+         capacity: float = 1.0, tp: int = 1) -> "Run":
+    # one v6e slice (a 2-D torus), FSDP over its chips (times tensor parallelism where set); the A100's
+    # share (no v6e run is fitted)
+    chips = cluster(f"tpu-v6e:{topology}").gpus
+    return Run(f"{label} on TPU v6e {topology} ({chips} chips), {'tp=%d + ' % tp if tp > 1 else ''}FSDP, "
+               f"{per_chip}x{seq} per chip", m, f"tpu-v6e:{topology}",
+               Strategy(tp=tp, zero=3, micro_batch=per_chip * tp, global_batch=per_chip * chips, seq=seq,
+                        recompute=recompute, capacity=capacity), step_s, TPU_RECIPES)
 
 
 MAXTEXT_A3 = "MaxText, MaxText/configs/a3/llama_2_7b/README.md and 1vm.sh (github.com/AI-Hypercomputer/maxtext): " \
@@ -178,6 +195,21 @@ RUNS: list[Run] = [
                             ("shardwise zero3 + memory plan", 2, "none", 0.8148),
                             ("shardwise zero3 + memory plan", 2, "block", 0.9921))],
     _a3_llama2_7b(),
+    # tpu-recipes on v6e. Their custom remat policies rerun every layer but a few tensors moved to host
+    # memory (the layer input, the attention projections' outputs); planned as block, the one policy
+    # whose memory comes near a v6e chip's 32 GB (selective's plans need 126-925 GB per chip). The host
+    # copies are not modelled. Mixtral: capacity 1.25 (dropping, dense dispatch)
+    *[_v6e("Llama 3.1 8B, custom remat with host offload", model("llama3-8b"), t, b, 8192, "block", sec)
+      for t, b, sec in (("2x4", 3, 3.443), ("4x4", 3, 3.393), ("4x8", 3, 3.495), ("8x8", 5, 5.652),
+                        ("8x16", 4, 4.602), ("16x16", 4, 4.546))],
+    *[_v6e("Llama 3.1 70B, custom remat with host offload", model("llama3-70b"), t, b, 8192, "block", sec)
+      for t, b, sec in (("4x8", 2, 17.790), ("8x8", 2, 18.688), ("8x16", 4, 34.786), ("16x16", 5, 42.656))],
+    # its log's 2 x 4096 tokens per chip (the config says 3 sequences)
+    _v6e("Llama 2 70B, qkv_proj_offloaded remat", LLAMA2_70B, "16x16", 2, 4096, "block", 9.052),
+    _v6e("Mistral 7B, custom remat with host offload", MISTRAL_7B, "2x4", 6, 8192, "block", 6.320),
+    _v6e("GPT-3 175B, full remat", model("gpt3-175b"), "16x16", 3, 2048, "block", 17.182),
+    _v6e("Mixtral 8x7B, capacity 1.25, custom remat with host offload", model("mixtral-8x7b"), "16x16", 12, 4096,
+         "block", 13.360, capacity=1.25),
     # MaxText's v4 configs: width, layers, heads (of 128), MLP (gated) as their flags set them
     _v4("MaxText 22B", ModelSpec("maxtext-22b", 48, 6144, 24, 24, 24576, 32000, seq=2048, head_size=128),
         "4x4x4", 13, 156),
