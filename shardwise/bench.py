@@ -356,6 +356,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         # the warm-up also holds the steps that decide the plan (offload residency, a budget's check)
         # and a step that times the update of the plan made
         while (job._residency_pending or (job.memory_budget is not None and job.steps < job.replan_at)
+               or not job._programs  # a plan made again runs (and compiles) inside the warm-up
                or job.last_optimizer_s is None):
             step(batches[0])
             row["warmup_steps"] += 1

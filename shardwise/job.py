@@ -277,7 +277,7 @@ class Job:
         self.memory_budget: int | None = None
         self.replan_at = 2  # the step whose measured peak checks a budgeted plan
         self.replans: list[dict] = []
-        self.recompiles_avoided = 0  # replans that made the same program again
+        self.recompiles_avoided = 0  # training programs a re-plan made again unchanged (compiled code kept)
         self._memory_slack = 0  # bytes the memory model under-predicted, learned from a measured step
         self.time_optimizer = False  # set to time the optimizer phase of each step (syncs the GPU)
         self.last_optimizer_s: float | None = None
@@ -375,11 +375,11 @@ class Job:
                 # the plan made again is the same program (hashes agreed on every rank, so every rank
                 # decides alike): keep its compiled code rather than compiling it again
                 self._programs[key] = old
-                self.recompiles_avoided += 1
+                self.recompiles_avoided += mode != "eval"  # eval programs ignore the budget: always kept
             else:
                 self._programs[key] = (prog, self._executor(prog))
             if mode == "step":
-                self._plan_residency(prog, tensors)
+                self._plan_residency(self._programs[key][0], tensors)
         return self._programs[key]
 
     def _residency_budget(self) -> int | None:
