@@ -468,3 +468,13 @@ def test_capacity_dispatch_pads_the_experts_compute_and_activations():
         8 * 6 * tokens * 14336 * 2 * 0.25)
     with pytest.raises(ValueError, match="capacity must be at least 1"):
         Strategy(capacity=0.8)
+
+
+def test_validation_summary_counts():
+    # bench/results/2026-11-30-plan-validation.md opens with these counts
+    from shardwise.planner.validation import table
+
+    rows = table()
+    blind = [r for r in rows if not r["fitted"]]
+    assert (len(rows), len(blind)) == (64, 59)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 51
