@@ -537,7 +537,8 @@ def plan_main(args) -> None:
     print(c)
     print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}"
           + (f" sharded over groups of {st.shard}" if st.shard else "") + f", micro-batch {st.micro_batch} x "
-          f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}")
+          f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}"
+          + (f", ep={st.ep}" if st.ep > 1 else "") + (f", expert capacity {st.capacity:g}" if st.capacity != 1 else ""))
     tp = ms(e.tp_exposed_s) + (f" (of {ms(e.tp_comm_s)})" if e.tp_exposed_s < e.tp_comm_s else "")
     print(f"step {e.step_s:.3f} s = compute {ms(e.compute_s)} + exposed tensor-parallel comm {tp} + "
           + (f"expert all-to-all {ms(e.ep_comm_s)} + " if st.ep > 1 else "") + 
