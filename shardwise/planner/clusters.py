@@ -210,7 +210,7 @@ NODES = {
 TPUS = {
     "tpu-v4": (Accelerator("TPU v4", 275e12, 32e9, 1.2e12), 4.5e10, 3, 4),
     # v5p's share fitted on one run: MaxText's 32B model on v5p-128 (validation.py); v4 and v6e use the A100's
-    # (v4's two MaxText runs are predicted blind with it)
+    # (v6e's tpu-recipes runs are predicted blind with it)
     "tpu-v5p": (Accelerator("TPU v5p", 459e12, 95e9, 2.76e12, eff_max=0.753), 9e10, 3, 4),
     # v5e's share fitted on one run: MaxText's 16B model on one v5e-256 with full remat, planned as
     # per-layer (block) recomputation (validation.py)

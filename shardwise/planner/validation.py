@@ -26,6 +26,9 @@ TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 
 LLAMA_1B = ModelSpec("llama-1.1b", 16, 2048, 16, 8, 8192, 32000, seq=2048)
 LLAMA2_70B = ModelSpec("llama2-70b", 80, 8192, 64, 8, 28672, 32000, seq=4096)
 MISTRAL_7B = ModelSpec("mistral-7b", 32, 4096, 32, 8, 14336, 32000, seq=8192)
+# MaxText's gpt3-175b.yml: no dropout, vocabulary 50304, 16384 learned positions, heads of 128
+GPT3_MAXTEXT = ModelSpec("gpt3-175b-maxtext", 96, 12288, 96, 96, 49152, 50304, seq=2048, gated=False, tied=True,
+                         bias=True, learned_positions=16384, head_size=128)
 
 
 MAXTEXT = "MaxText, MaxText/configs/v5p/README.md and the v5p/<size>.sh configs (github.com/AI-Hypercomputer/" \
@@ -43,7 +46,9 @@ def _maxtext(scale: int) -> ModelSpec:
 
 def _maxtext_step(m: ModelSpec, per_chip: int, tflops: float) -> float:
     """Measured seconds per step: the chip's tokens x model FLOPs per token / its measured FLOP rate
-    (MaxText counts FLOPs as the planner does: 6 per weight and token + 12·L·(heads·head size)·T)."""
+    (MaxText counts FLOPs as the planner does today: 6 per weight and token + 12·L·(heads·head size)·T;
+    its count of 2024 had the embedding in and half the attention term, a few percent apart, and which
+    count each README number used is not stated)."""
     return per_chip * 2048 * m.flops_per_token(2048) / (tflops * 1e12)
 
 
@@ -78,19 +83,6 @@ def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = Fa
                         recompute="block", shard=256 if many else None), step, MAXTEXT_V5E, fitted=fitted)
 
 
-MAXTEXT_V4 = "MaxText, MaxText/configs/v4/README.md and v4/22b.sh, v4/52b.sh (github.com/AI-Hypercomputer/maxtext): " \
-             "TFLOP/s per chip on one slice, FSDP over all of its chips, full remat, sequence 2048, synthetic data"
-
-
-def _v4(label: str, m: ModelSpec, slice_: str, per_chip: int, tflops: float) -> "Run":
-    # one v4 slice (a 3-D torus), FSDP over every chip, every layer rematerialized; the A100's share (no
-    # v4 run is fitted)
-    chips = cluster(f"tpu-v4:{slice_}").gpus
-    return Run(f"{label} on TPU v4 {slice_} ({chips} chips), FSDP, {per_chip}x2048 per chip, full remat", m,
-               f"tpu-v4:{slice_}", Strategy(zero=3, micro_batch=per_chip, global_batch=per_chip * chips, seq=2048,
-                                            recompute="block"), _maxtext_step(m, per_chip, tflops), MAXTEXT_V4)
-
-
 TPU_RECIPES = "AI-Hypercomputer/tpu-recipes, training/trillium/<model>-MaxText/.../README.md (MaxText on TPU v6e): " \
               "the step time its example log prints, with the tuning parameters the README gives"
 
@@ -115,7 +107,9 @@ def _a3_llama2_7b() -> "Run":
     # one A3 VM: 492 TFLOP/s per chip; its later rows (2-16 VMs) cross Google's GPUDirect-TCPX network,
     # whose bandwidth is not in our sources
     m = ModelSpec("llama2-7b", 32, 4096, 32, 32, 11008, 32000, seq=4096)
-    step = 4 * 4096 * m.flops_per_token(4096) / 492e12
+    # MaxText counted FLOPs then (April 2024) as 6 per parameter, embedding included, plus causal
+    # attention (half of 12·L·d·T): the step its 492 TFLOP/s stand for
+    step = 4 * 4096 * (6 * m.params() + 6 * m.layers * m.q_dim * 4096) / 492e12
     return Run("Llama 2 7B, one A3 (8 H100) under MaxText/XLA, FSDP, 4x4096 per GPU, minimal_flash remat", m,
                "dgx-h100:1", Strategy(zero=3, micro_batch=4, global_batch=32, seq=4096, recompute="selective"),
                step, MAXTEXT_A3)
@@ -207,14 +201,9 @@ RUNS: list[Run] = [
     # its log's 2 x 4096 tokens per chip (the config says 3 sequences)
     _v6e("Llama 2 70B, qkv_proj_offloaded remat", LLAMA2_70B, "16x16", 2, 4096, "block", 9.052),
     _v6e("Mistral 7B, custom remat with host offload", MISTRAL_7B, "2x4", 6, 8192, "block", 6.320),
-    _v6e("GPT-3 175B, full remat", model("gpt3-175b"), "16x16", 3, 2048, "block", 17.182),
+    _v6e("GPT-3 175B, full remat", GPT3_MAXTEXT, "16x16", 3, 2048, "block", 17.182),
     _v6e("Mixtral 8x7B, capacity 1.25, custom remat with host offload", model("mixtral-8x7b"), "16x16", 12, 4096,
-         "block", 13.360, capacity=1.25),
-    # MaxText's v4 configs: width, layers, heads (of 128), MLP (gated) as their flags set them
-    _v4("MaxText 22B", ModelSpec("maxtext-22b", 48, 6144, 24, 24, 24576, 32000, seq=2048, head_size=128),
-        "4x4x4", 13, 156),
-    _v4("MaxText 52B", ModelSpec("maxtext-52b", 32, 12288, 32, 32, 49152, 32000, seq=2048, head_size=128),
-        "4x4x12", 7, 154),
+         "block", 13.484, capacity=1.25),
     _titan(8, True, 6667), _titan(8, False, 5762), _titan(128, True, 6514), _titan(128, False, 5605),
     _v5p("32B", 32, "4x4x4", 7, "minimal", 4, 328, fitted=True), _v5p("64B", 64, "4x4x4", 3, "minimal", 4, 323),
     _v5p("128B", 128, "4x4x8", 1, "minimal", 8, 315), _v5p("128B", 128, "4x8x8", 1, "minimal", 8, 316),
