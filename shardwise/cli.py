@@ -19,8 +19,7 @@ def _train_parser(sub) -> None:
         "measured with torch.profiler at step 3.",
     )
     _model_args(p)
-    p.add_argument("--no-fused-optimizer", action="store_true",
-                   help="step AdamW with torch's default kernel; by default shardwise uses the fused one on CUDA")
+    _optimizer_args(p)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
     p.add_argument("--grad-accum", type=int, default=1,
@@ -52,8 +51,7 @@ def _explain_parser(sub) -> None:
         "bytes and predicted time, and the predicted step time (roofline compute, alpha-beta collectives).",
     )
     _model_args(p)
-    p.add_argument("--no-fused-optimizer", action="store_true",
-                   help="step AdamW with torch's default kernel; by default shardwise uses the fused one on CUDA")
+    _optimizer_args(p)
     p.add_argument("--link-profile", default=None,
                    help="a JSON profile from `shardwise calibrate`, or a preset name (default: per backend)")
     p.add_argument("--profile", action="store_true",
@@ -176,6 +174,12 @@ def _model_args(p) -> None:
                    help="recompute cheap elementwise activations in the backward instead of keeping them")
     p.add_argument("--offload-activations", action="store_true",
                    help="keep the activations the backward reads in host memory between forward and backward")
+
+
+def _optimizer_args(p) -> None:
+    """Flags of the jobs ``train`` and ``explain`` build (bench sets them per system: ``shardwise:fused=0``)."""
+    p.add_argument("--no-fused-optimizer", action="store_true",
+                   help="step AdamW with torch's default kernel; by default shardwise uses the fused one on CUDA")
 
 
 def _bench_parser(sub) -> None:

@@ -840,8 +840,11 @@ class Job:
         nbytes = sum(t.numel() * t.element_size() for t in self.state.opt_tensors.values())
         # fused: read parameter, gradient and two moments, write three; torch's multi-tensor and loop
         # Adam make about 20 passes of a parameter's bytes (decay, lerp, two for v, sqrt, div, add, addcdiv)
+        from .costmodel.memory import optimizer_kernel
+
         adam = isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-        update = (20 if adam and not self.optimizer.defaults.get("fused") else 7) * nbytes / dev.bandwidth
+        unfused = adam and optimizer_kernel(self.optimizer.defaults, self.mesh.device.type) != "fused"
+        update = (20 if unfused else 7) * nbytes / dev.bandwidth
         st = self.state.streamer
         if st is None:
             return update

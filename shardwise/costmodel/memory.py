@@ -263,13 +263,20 @@ def optimizer_transient(opt: torch.optim.Optimizer) -> int:
     return _step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults, ps[0].device.type)
 
 
+def optimizer_kernel(defaults: dict, device: str) -> str:
+    """The kernel a torch optimizer's step runs, from its ``defaults``: ``fused``, ``foreach`` (the
+    multi-tensor path, torch's default on CUDA) or ``for-loop`` (the default elsewhere)."""
+    if defaults.get("fused"):
+        return "fused"
+    foreach = defaults.get("foreach")
+    return "foreach" if foreach or (foreach is None and device == "cuda") else "for-loop"
+
+
 def _step_temporaries(per: list[int], d: dict, device: str) -> int:
-    if d.get("fused"):
+    kernel = optimizer_kernel(d, device)
+    if kernel == "fused":
         return 0
-    foreach = d.get("foreach")
-    if foreach is None:
-        foreach = device == "cuda"
-    if foreach:
+    if kernel == "foreach":
         return sum(per)
     # the loop: sqrt(v) and its bias-corrected copy of one parameter, while the previous parameter's
     # denominator is still held by its loop variable

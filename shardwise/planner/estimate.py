@@ -167,11 +167,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                            + 4.0 * model.q_dim * seq),
              "full": fpt / 3.0}[st.recompute]
     # capacity dispatch: the experts also compute on their padding (and rerun it where they are rerun)
+    layer_rerun = st.recompute in ("full", "block")  # the backward reruns the layer's forward
     pad = 0.0
     if model.experts > 1 and st.capacity > 1.0:
-        rerun = 4.0 / 3.0 if st.recompute in ("full", "block") else 1.0
-        pad = 6.0 * L * model.top_k * (model.expert_params() - (model.ffn + h if model.bias else 0)) \
-            * (st.capacity - 1.0) * rerun
+        expert_matmul = model.expert_params() - (model.ffn + h if model.bias else 0)
+        pad = 6.0 * L * model.top_k * expert_matmul * (st.capacity - 1.0) * (4.0 / 3.0 if layer_rerun else 1.0)
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
@@ -183,9 +183,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute;
     # under block +1, the attention's, as the MLP's reduction follows the down projection, which is not
     # rerun; with sequence parallelism the rerun MLP input's all-gather adds half of one; MoE: +2)
-    rerun = 2.0 if st.recompute == "full" or (st.recompute == "block" and model.experts > 1) else (
+    tp_rerun = 2.0 if st.recompute == "full" or (st.recompute == "block" and model.experts > 1) else (
         (1.5 if st.sp and st.tp > 1 else 1.0) if st.recompute == "block" else 0.0)
-    per_layer = 4 + rerun
+    per_layer = 4 + tp_rerun
     layers_here = -(-L // st.pp)  # the fullest stage sets the pace when layers do not split evenly
     act_bytes = 2.0 * b * seq * h
     one = cluster.collective_s("all_reduce", act_bytes, st.tp)
@@ -196,7 +196,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     ep_comm = 0.0
     if st.ep > 1:
         a2a_bytes = 2.0 * b * seq * h * model.top_k / (st.tp if st.sp else 1)
-        a2a_per_layer = 6 if st.recompute in ("full", "block") else 4
+        a2a_per_layer = 6 if layer_rerun else 4
         ep_comm = (a2a_per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, st.tp * st.pp))
 
     # pipeline bubble (1F1B, interleaved by `virtual`)
@@ -229,7 +229,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # step, a gradient reduction through the backward (with a pipeline, the last micro-batch's only,
     # where the stage's gradients become ready); what does not fit there is exposed
     window = (compute / m if st.pp > 1 else compute) * (
-        1.0 if st.zero == 3 and st.pp == 1 else (0.75 if st.recompute in ("full", "block") else 2 / 3))
+        1.0 if st.zero == 3 and st.pp == 1 else (0.75 if layer_rerun else 2 / 3))
     dp_exposed = max(st.dp_exposed * dp_comm, dp_comm - window)
 
     # optimizer: read/write fp32 master, two moments, read the gradient: ~28 bytes per parameter held
@@ -247,7 +247,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     per_layer_act = model.layer_activation_bytes(seq, b, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
     in_flight = min(st.pp, m) if st.pp > 1 else 1
     activations = per_layer_act * layers_here * in_flight
-    if st.recompute in ("full", "block"):  # one layer's working set is rebuilt at a time
+    if layer_rerun:  # one layer's working set is rebuilt at a time
         activations += model.layer_activation_bytes(seq, b, st.tp, st.sp, "none", st.fused_attention, st.capacity)
     logits = 4.0 * seq * b * model.vocab / st.tp if st.pp == 1 else 0.0
     activations += logits

@@ -93,14 +93,15 @@ class ModelSpec:
         expert). The attention scores (5·a·s²·b) only when the attention is not fused (flash
         attention recomputes them) and not recomputed (``selective``). For Megatron's GPT (ffn = 4h,
         kv = h, dropout) this is the paper's ``sbh·(10 + 24/t + 5as/(ht))``. Full recomputation keeps
-        the layer's input alone (2·sbh/t), and so does per-layer ``block`` checkpointing; per-op selective recomputation (``selective-op``) the
-        layer's input, every other matrix product's output and the attention output. ``capacity``
+        the layer's input alone (2·sbh/t), and so does per-layer ``block`` checkpointing (whole on
+        every rank without sequence parallelism); per-op selective recomputation (``selective-op``)
+        the layer's input, every other matrix product's output and the attention output. ``capacity``
         scales an MoE layer's expert activations (capacity dispatch pads each expert's buffer)."""
         sb = seq * micro_batch
         sbh = sb * self.hidden
         if recompute == "full":
             return 2.0 * sbh / tp
-        if recompute == "block":  # torch's checkpoint keeps the layer input whole on each rank unless sequence parallel
+        if recompute == "block":  # torch's checkpoint keeps the layer input whole unless sequence parallel
             return 2.0 * sbh / (tp if sp else 1)
         kv = self.kv_heads * self.head_dim
         if recompute == "selective-op":

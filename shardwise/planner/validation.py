@@ -88,14 +88,12 @@ TPU_RECIPES = "AI-Hypercomputer/tpu-recipes, training/trillium/<model>-MaxText/.
 
 
 def _v6e(label: str, m: ModelSpec, topology: str, per_chip: int, seq: int, recompute: str, step_s: float,
-         capacity: float = 1.0, tp: int = 1) -> "Run":
-    # one v6e slice (a 2-D torus), FSDP over its chips (times tensor parallelism where set); the A100's
-    # share (no v6e run is fitted)
+         capacity: float = 1.0) -> "Run":
+    # one v6e slice (a 2-D torus), FSDP over its chips; the A100's share (no v6e run is fitted)
     chips = cluster(f"tpu-v6e:{topology}").gpus
-    return Run(f"{label} on TPU v6e {topology} ({chips} chips), {'tp=%d + ' % tp if tp > 1 else ''}FSDP, "
-               f"{per_chip}x{seq} per chip", m, f"tpu-v6e:{topology}",
-               Strategy(tp=tp, zero=3, micro_batch=per_chip * tp, global_batch=per_chip * chips, seq=seq,
-                        recompute=recompute, capacity=capacity), step_s, TPU_RECIPES)
+    return Run(f"{label} on TPU v6e {topology} ({chips} chips), FSDP, {per_chip}x{seq} per chip", m,
+               f"tpu-v6e:{topology}", Strategy(zero=3, micro_batch=per_chip, global_batch=per_chip * chips, seq=seq,
+                                               recompute=recompute, capacity=capacity), step_s, TPU_RECIPES)
 
 
 MAXTEXT_A3 = "MaxText, MaxText/configs/a3/llama_2_7b/README.md and 1vm.sh (github.com/AI-Hypercomputer/maxtext): " \

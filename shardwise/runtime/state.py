@@ -322,17 +322,13 @@ def _stay_fused(opt: torch.optim.Optimizer) -> None:
 
 def optimizer_kind(opt: torch.optim.Optimizer) -> str:
     """The optimizer and the kernel its step runs: ``AdamW (fused)``, ``(foreach)`` or ``(for-loop)``."""
+    from ..costmodel.memory import optimizer_kernel
+
     d = getattr(opt, "defaults", None) or {}
     if "fused" not in d and "foreach" not in d:
         return type(opt).__name__
     ps = [p for g in opt.param_groups for p in g["params"]]
-    if d.get("fused"):
-        how = "fused"
-    elif d.get("foreach") or (d.get("foreach") is None and ps and ps[0].device.type == "cuda"):
-        how = "foreach"
-    else:
-        how = "for-loop"
-    return f"{type(opt).__name__} ({how})"
+    return f"{type(opt).__name__} ({optimizer_kernel(d, ps[0].device.type if ps else 'cpu')})"
 
 
 def _elementwise(opt: torch.optim.Optimizer) -> bool:
