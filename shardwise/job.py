@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .capture import batch_signature, capture_step, flatten_batch
 from .capture.trace import signature_hash
-from .passes import STRATEGIES, Program, ShardContext, shard_step
+from .passes import STRATEGIES, Program, ShardContext, _emit, shard_step
 from .passes.zero import layouts_for
 from .runtime.mesh import Mesh, mesh as make_mesh
 from .runtime.state import ShardedState, optimizer_kind
@@ -493,7 +493,7 @@ class Job:
 
     def _executor(self, prog: Program) -> Callable:
         if self.compile_mode != "inductor":
-            return prog.gm.forward  # plain call: no module hooks (MemTracker counts module calls)
+            return _emit.eager_safe(prog.gm).forward  # plain call: no module hooks (MemTracker counts module calls)
         from .runtime.inductor import compile_graph
 
         return compile_graph(prog.gm)

@@ -31,8 +31,10 @@ def test_cuda_parity_gloo_ws2_shared_gpu(pools, strategy, name):
 def test_cuda_fp32_parity_ws2(pools, strategy):
     # against single-device training on the same GPU (CPU kernels round differently); TF32 stays off
     over = (("bias", False),)
+    # the reference steps torch's default (multi-tensor) AdamW; shardwise's fused kernel rounds fp32
+    # differently (the fp64 tests hold it to the reference), so compare like with like here
     check(pools, "gpt", strategy, "fp32", 2, steps=10, over=over, device="cuda", ref_device="cuda",
-          loss_tol=1e-5, param_tol=1e-5)
+          loss_tol=1e-5, param_tol=1e-5, fused_optimizer=False)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -119,9 +121,14 @@ def test_cuda_activation_offload_matches_keeping_them(executor):
     import shardwise as sw
     from harness import adamw, make_batch, make_model
 
+    # Adam turns a rounding difference in a near-zero gradient into a step of about lr on that element
+    # (measured: 3-8% of the weights' norm after 4 steps, with either optimizer kernel), so the
+    # inductor case steps plain SGD, whose update is the gradient itself, and compares the updates
+    opt = adamw if executor == "fx" else (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    init = make_model("llama", "fp32").state_dict()
     res = []
     for off in (False, True):
-        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
+        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=opt, strategy="zero3",
                          mesh=sw.mesh(dp=1, device="cuda"), compile=executor, offload_activations=off,
                          mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
         losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
@@ -131,12 +138,10 @@ def test_cuda_activation_offload_matches_keeping_them(executor):
         assert res[0][0] == res[1][0]
         assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
     else:
-        # Adam turns a rounding difference in a near-zero gradient into a step of about lr on that
-        # element: compare the weights by the norm of their difference, not element by element
         assert res[1][0] == pytest.approx(res[0][0], rel=1e-3)
         for k in res[0][1]:
-            a, b = res[0][1][k].double(), res[1][1][k].double()
-            assert (a - b).norm() <= 1e-2 * a.norm() + 1e-6, k
+            a, b = (res[i][1][k].double().cpu() - init[k].double() for i in (0, 1))
+            assert a.norm() > 0 and (a - b).norm() <= 5e-2 * a.norm(), k
 
 
 @needs_cuda

@@ -94,8 +94,21 @@ class NonzeroRouting(nn.Module):
 
 def test_unsupported_construct_names_the_location():
     job = job_for(NonzeroRouting(), strategy="zero3")
-    with pytest.raises(CaptureError, match=r"cannot trace NonzeroRouting's training step whole.*test_errors.py:\d+"):
+    with pytest.raises(CaptureError, match=r"cannot trace NonzeroRouting's training step whole.*test_errors.py:\d+"
+                       r".*Data-dependent shapes"):
         job.step(torch.randn(3, 4))
+
+
+def test_model_error_in_capture_is_not_called_data_dependent():
+    # the model's own error (here: a batch longer than its positions) is reported as it is, without
+    # the hint about data-dependent shapes
+    from shardwise.models import build
+
+    job = job_for(build("llama", "tiny"), strategy="zero3")
+    x = torch.randint(0, 64, (2, 32))  # tiny's seq is 16
+    with pytest.raises(CaptureError, match="sequence length 32 exceeds seq=16") as err:
+        job.step((x, x))
+    assert "Data-dependent" not in str(err.value)
 
 
 class WithBatchNorm(nn.Module):

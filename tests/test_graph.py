@@ -1,5 +1,7 @@
 """What each strategy does to the captured graph (structure only; no process group needed)."""
 
+import operator
+
 import pytest
 import torch
 
@@ -177,3 +179,28 @@ def test_bucketing_merges_collectives(strategy):
     assert sorted(names) == sorted(cap.grad_names)
     assert sum(s.meta["sw"]["full_bytes"] for s in sw_nodes(merged.gm)) == sum(
         s.meta["sw"]["full_bytes"] for s in sw_nodes(one.gm))
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_bucketing_host_staged_collectives_keeps_topological_order(strategy):
+    # gloo ranks sharing a GPU stage each collective on the host: a copy there before it and a copy
+    # back after its wait. A reduce-scatter bucket is issued after its last member's gradient, so the
+    # earlier members' copies back must move after it (they read the bucket's result). The stage
+    # device here is "meta" (the graph is only built, never run): the same copies as "cpu" on a GPU.
+    _, cap = captured("llama")
+    one = shard_step(cap, strategy, ShardContext(WS, "g", stage="meta", schedule=False))
+    merged = shard_step(cap, strategy, ShardContext(WS, "g", stage="meta", shard_bucket_bytes=1 << 30))
+    assert merged.buckets >= 1 and merged.counts()["reduce_scatter"] == 1
+    merged.gm.graph.lint()  # raises if a node reads a value defined after it
+    copies_back = [n for n in merged.gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+                   and n.args[0].target is torch.ops._c10d_functional.wait_tensor.default]
+    staged = [n for n in one.gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+              and n.kwargs.get("device") == torch.device("meta")]
+    assert len(staged) == sum(one.counts().values())  # every collective was staged
+    order = {n: i for i, n in enumerate(merged.gm.graph.nodes)}
+    (rs,) = sw_nodes(merged.gm, "reduce_scatter")
+    readers = [u for n in merged.gm.graph.nodes if n.target is torch.ops.aten.view.default
+               and n.args[0].target is operator.getitem and n.args[0].args[0].args[0] is next(iter(rs.users))
+               for u in n.users]
+    assert len(readers) == len(cap.grad_names) and all(order[u] > order[rs] for u in readers)
+    assert copies_back

@@ -4,10 +4,12 @@ and that shardwise trains it as one device does."""
 import pytest
 import torch
 
+import shardwise as sw
 from harness import check
 from shardwise.bench import flops_per_token
 from shardwise.capture import capture_step
 from shardwise.models import build
+from shardwise.passes import _emit
 
 
 def pair(cf, **over):
@@ -112,3 +114,22 @@ def test_dispatched_moe_parity(pools, strategy):
 def test_dispatched_moe_parity_inductor(pools):
     check(pools, "moe", "zero3", "fp64", 2, steps=3, compile="inductor", over=(("capacity_factor", 1.0),),
           loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_dispatched_moe_runs_op_by_op_where_a_traced_view_is_not_one_in_eager(pools):
+    # at one rank the backward multiplies an expanded gradient by the transposed gates; tracing saw
+    # a layout a view could read, eager kernels lay the product out otherwise. The FX executor and
+    # the node profiler run the graph with each view made a reshape (the same view where one exists)
+    check(pools, "moe", "zero3", "fp64", 1, steps=3, over=(("capacity_factor", 1.25),), loss_tol=1e-10,
+          param_tol=1e-10)
+    m = build("moe", "tiny", capacity_factor=1.25)
+    x = torch.randint(0, 64, (2, 16))
+    job = sw.compile(m, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), strategy="zero3", mesh=sw.mesh(dp=1))
+    job.step((x, x))
+    times = job.profile_compute((x, x))
+    gm = job.programs()[0].gm
+    views = [n.name for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
+    assert views and all(v in times for v in views)  # every view ran, and was timed
+    safe = _emit.eager_safe(gm)
+    assert not any(n.target is torch.ops.aten.view.default for n in safe.graph.nodes)
+    assert [n.name for n in safe.graph.nodes] == [n.name for n in gm.graph.nodes]

@@ -192,11 +192,16 @@ def capture_step(
             except CaptureError:
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised with the construct and where it is
+                from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+                data_dependent = isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or \
+                    "data-dependent" in str(e).lower() or "DataDependent" in type(e).__name__
+                hint = (" Data-dependent shapes (nonzero, boolean masks, .item() in control flow) cannot be traced "
+                        "to one static graph; rewrite the construct with static shapes (built-in MoE layers are "
+                        "dropless, or dispatch to a fixed capacity, for this reason).") if data_dependent else ""
                 raise CaptureError(
                     f"cannot trace {type(model).__name__}'s training step whole: {type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''} — at {_user_frame(e)}. Data-dependent shapes "
-                    "(nonzero, boolean masks, .item() in control flow) cannot be traced to one static graph; "
-                    "rewrite the construct with static shapes (built-in MoE layers are dropless for this reason)."
+                    f"{str(e).splitlines()[0] if str(e) else ''} — at {_user_frame(e)}.{hint}"
                 ) from e
     finally:
         model.train(was_training)

@@ -64,6 +64,56 @@ def fake(shape, dtype, device) -> torch.Tensor:
 
 
 
+def eager_safe(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` to run op by op in eager mode, with each ``view`` made a ``reshape``.
+
+    Tracing records a ``view`` wherever the traced (fake) strides allow one, but eager kernels may
+    lay an elementwise result out otherwise (a product of an expanded gradient and a transposed
+    tensor, in the MoE dispatch's backward), and the view then fails. ``reshape`` is that same view
+    where one exists and a copy where none does; inductor, which plans its own layouts, runs ``gm``
+    itself."""
+    if not any(n.target is aten.view.default for n in gm.graph.nodes):
+        return gm
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    for n in g.nodes:
+        if n.target is aten.view.default:
+            n.target = aten.reshape.default
+    return fx.GraphModule(gm, g)
+
+
+def restore_topological_order(g: fx.Graph) -> int:
+    """Move each node that reads a value defined after it to just after its last input, keeping
+    every other node where it is (a stable topological sort, earliest position first); returns how
+    many nodes moved. A pass that replaces a value by one made later (a bucket's collective
+    replacing a member's) calls this, so the member's readers follow the new definition."""
+    import heapq
+
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    need = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(pos[n], n.name) for n in nodes if need[n] == 0]
+    heapq.heapify(ready)
+    by_name = {n.name: n for n in nodes}
+    order = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        n = by_name[name]
+        order.append(n)
+        for u in n.users:
+            need[u] -= 1
+            if need[u] == 0:
+                heapq.heappush(ready, (pos[u], u.name))
+    if len(order) != len(nodes):
+        raise RuntimeError("internal: the graph has a cycle")
+    moved = sum(a is not b for a, b in zip(order, nodes))
+    if moved:
+        out = order[-1]
+        for n in order[:-1]:
+            out.prepend(n)
+    return moved
+
+
 def cast(g: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
     if dtype is None or val(x).dtype == dtype:
         return x

@@ -128,6 +128,10 @@ def bucket(gm: fx.GraphModule, ws: int, bucket_bytes: int) -> int:
             made += 1
     for n in g.nodes:
         n.meta.pop("sw_key", None)
+    # a member's result now comes from the bucket's collective, issued after the last member's
+    # input: readers placed between (the copy back to the GPU of gloo's host-staged collectives)
+    # follow it there
+    _emit.restore_topological_order(g)
     g.lint()
     gm.recompile()
     return made

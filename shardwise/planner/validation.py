@@ -20,6 +20,8 @@ VTRAIN = "vTrain (Bang et al., MICRO 2024), github.com/VIA-Research/vTrain data/
 OURS_H200 = "shardwise bench, bench/results/2026-11-29-h200-llama1b-ws1.json (plain torch.compile row)"
 OURS_H200X2 = "shardwise bench, bench/results/2026-11-30-h200x2-llama1b-ws2.json (one sitting, NCCL-calibrated link)"
 OURS_8B = "shardwise bench, bench/results/2026-11-30-h200x2-llama8b-ws2{,-ckpt}.json (two sittings, NCCL-calibrated link)"
+OURS_8B_FUSED = "shardwise bench, bench/results/2026-11-30-h200x2-sitting4-llama8b-fused-{a,b}.json (fused AdamW, " \
+    "two machines of one kind)"
 TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (github.com/pytorch/torchtitan): " \
              "H100 SXM 96 GB HBM2e at a 500 W power limit, 400 Gb/s RDMA per GPU, sequence 8192 (its 8B config), " \
              "selective per-op activation checkpointing, bf16, torch of 2024-12-23"
@@ -186,6 +188,12 @@ RUNS: list[Run] = [
       for who, z, rc, s in (("FSDP2 + torch.compile", 3, "none", 0.8363), ("FSDP2 + torch.compile", 3, "block", 1.1435),
                             ("shardwise zero3 + memory plan", 2, "none", 0.8148),
                             ("shardwise zero3 + memory plan", 2, "block", 0.9921))],
+    # the same rows without recomputation, every system stepping torch's fused AdamW (the rows above
+    # ran its multi-tensor one, about 20 passes over the fp32 state against the 7 the planner counts)
+    *[Run(f"Llama 3 8B, 2 H200 over NVLink, {who} (fused AdamW), 2x4096 per GPU, no recomputation",
+          model("llama3-8b"), "h200-nv18-x2:1", Strategy(zero=z, micro_batch=2, global_batch=4, seq=4096, recompute="none"),
+          s, OURS_8B_FUSED)
+      for who, z, s in (("FSDP2 + torch.compile", 3, 0.7991), ("shardwise zero3 + memory plan", 2, 0.7755))],
     _a3_llama2_7b(),
     # tpu-recipes on v6e. Their custom remat policies rerun every layer but a few tensors moved to host
     # memory (the layer input, the attention projections' outputs); planned as block, the one policy

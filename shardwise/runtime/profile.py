@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..passes import _emit
+
 _C10D = "_c10d_functional"
 
 
@@ -63,9 +65,10 @@ def node_times(gm: fx.GraphModule, inputs: list, device: torch.device, group: di
     cpu_rng = torch.get_rng_state()
     gpu_rng = torch.cuda.get_rng_state(device) if cuda else None
     best: dict[str, float] = {}
+    eager = _emit.eager_safe(gm)
     try:
         for _ in range(reps):
-            t = _Timer(gm, cuda)
+            t = _Timer(eager, cuda)
             t.run(*inputs)
             for k, v in t.seconds().items():
                 best[k] = min(v, best.get(k, v))
