@@ -129,7 +129,11 @@ def _model(cfg: BenchConfig, device):
     from .models import build
 
     torch.manual_seed(cfg.seed)
-    return build(cfg.model, cfg.size, checkpoint=cfg.checkpoint).to(device)
+    # initialised where it runs: on one host thread (torchrun's OMP_NUM_THREADS=1) the 8B shape's
+    # initialisation takes minutes of each system's set-up, on a GPU a second; every rank draws the
+    # same weights from the same seed on the same kind of device
+    with torch.device(device):
+        return build(cfg.model, cfg.size, checkpoint=cfg.checkpoint)
 
 
 def flops_per_token(model, seq: int) -> float:

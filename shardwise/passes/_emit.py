@@ -75,6 +75,7 @@ def eager_safe(gm: fx.GraphModule) -> fx.GraphModule:
     if not any(n.target is aten.view.default for n in gm.graph.nodes):
         return gm
     g = fx.Graph()
+    g._codegen = gm.graph._codegen  # the same calling convention
     g.output(g.graph_copy(gm.graph, {}))
     for n in g.nodes:
         if n.target is aten.view.default:
@@ -82,10 +83,10 @@ def eager_safe(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, g)
 
 
-def restore_topological_order(g: fx.Graph) -> int:
+def restore_topological_order(g: fx.Graph) -> bool:
     """Move each node that reads a value defined after it to just after its last input, keeping
-    every other node where it is (a stable topological sort, earliest position first); returns how
-    many nodes moved. A pass that replaces a value by one made later (a bucket's collective
+    every other node where it is (a stable topological sort, earliest position first); returns
+    whether anything moved. A pass that replaces a value by one made later (a bucket's collective
     replacing a member's) calls this, so the member's readers follow the new definition."""
     import heapq
 
@@ -106,12 +107,12 @@ def restore_topological_order(g: fx.Graph) -> int:
                 heapq.heappush(ready, (pos[u], u.name))
     if len(order) != len(nodes):
         raise RuntimeError("internal: the graph has a cycle")
-    moved = sum(a is not b for a, b in zip(order, nodes))
-    if moved:
-        out = order[-1]
-        for n in order[:-1]:
-            out.prepend(n)
-    return moved
+    if order == nodes:
+        return False
+    out = order[-1]
+    for n in order[:-1]:
+        out.prepend(n)
+    return True
 
 
 def cast(g: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
