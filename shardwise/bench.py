@@ -326,6 +326,10 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     row["optimizer"] = optimizer_kind(inner if isinstance(inner, torch.optim.Optimizer) else opt)
     if system.startswith("shardwise") and job.state.streamer is not None:
         row["optimizer"] = f"{type(opt).__name__} (offloaded: streamed per chunk, part on the host)"
+    # model built, wrapped (shardwise: its plan made, for the predicted peak), before the first step
+    row["setup_s"] = round(time.perf_counter() - started, 2)
+    if rank == 0:
+        print(f"{system}: set-up {row['setup_s']:.1f} s", flush=True)
     warmup = cfg.warmup
     if system.startswith("deepcompile"):
         # DeepCompile profiles the first steps, then at its WARMUP-th step resets dynamo and recompiles

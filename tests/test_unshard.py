@@ -457,3 +457,35 @@ def test_inductor_never_reuses_the_memory_of_a_value_being_copied_out():
     if code is None:
         pytest.skip("this torch's compiled graph does not expose its source code")
     assert "shardwise.to_host" in code and "shardwise.to_device" in code and "# reuse" not in code
+
+
+def test_the_budget_finds_the_longest_kept_prefix_that_fits_by_bisection():
+    # a stand-in cost model: each kept parameter costs 1000 bytes of peak. The greedy set by bytes is
+    # every parameter (a headroom far above the graph); 7 fit. Giving one back per plan would make
+    # len(params) - 7 plans; bisection makes the same choice in about log2(len(params))
+    import math
+
+    from shardwise.passes import unshard
+
+    _, cap = captured("llama")
+
+    def kept(gm):  # gathered in the forward and not again in the backward (the embedding never is)
+        fwd = {s.meta["sw"]["param"] for s in sw_nodes(gm, "all_gather", "fwd")}
+        return fwd - {s.meta["sw"]["param"] for s in sw_nodes(gm, "all_gather", "bwd")} - {"tok.weight"}
+
+    built = []
+
+    def build(c):
+        built.append(c.keep_gathered)
+        return shard_step(cap, "zero3", c)
+
+    ctx = ShardContext(4, "g", schedule=False, estimate=lambda gm: (0.0, 1000 * len(kept(gm))),
+                       graph_budget=7500, reserve=-10**12)
+    prog = unshard.plan(cap, ctx, "step", build)
+    n = len(cap.param_names)
+    assert prog.unsharded == sorted(cap.param_names[::-1][:7])  # the last 7 (the first the backward needs)
+    assert kept(prog.gm) == set(prog.unsharded) - {"tok.weight"} and prog.predicted_graph_peak == 7000
+    assert len(built) <= 2 + math.ceil(math.log2(n)) < n - 7, (len(built), n)
+    # every plan tried was a prefix of the greedy order
+    order = cap.param_names[::-1]
+    assert all(k == frozenset(order[:len(k)]) for k in built)
