@@ -425,6 +425,9 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         _, meas = profiled(lambda: step(batches[-1]), device, trace=trace)
         if device.type == "cuda" or system.startswith("shardwise"):
             row["exposed_comm_pct"] = meas["exposed_pct"]
+        if "exposed_by_kind_s" in meas:  # GPUs: which collectives are exposed, and where in the step
+            row["exposed_by_kind_ms"] = {k: round(v * 1e3, 3) for k, v in meas["exposed_by_kind_s"].items()}
+            row["exposed_top"] = meas["exposed_top"]
     except Exception as e:  # noqa: BLE001
         row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if cfg.memory_sites and device.type == "cuda":

@@ -245,6 +245,21 @@ def test_interval_arithmetic_of_exposed_communication():
     assert _subtract(comm, comp) == 11
 
 
+def test_exposed_communication_by_collective_kind_and_place():
+    from shardwise.runtime.profile import _merge, _nccl_kind, exposed_by_kernel
+
+    assert _nccl_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "all_gather"
+    assert _nccl_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "reduce_scatter"
+    assert _nccl_kind("ncclKernel_AllReduce_RING_LL_Sum_float") == "all_reduce"
+    # µs: an all-gather at the head with nothing to hide behind, one hidden, a reduce-scatter at the tail
+    comm = [(0, 1000, "all_gather"), (2000, 3000, "all_gather"), (9000, 9600, "reduce_scatter")]
+    comp = _merge([(1000, 9200)])
+    by, top = exposed_by_kernel(comm, comp)
+    assert by == {"all_gather": 1000, "reduce_scatter": 400}
+    assert top == [{"kind": "all_gather", "at_ms": 0.0, "exposed_ms": 1.0, "kernel_ms": 1.0},
+                   {"kind": "reduce_scatter", "at_ms": 9.0, "exposed_ms": 0.4, "kernel_ms": 0.6}]
+
+
 def test_measured_compute_and_exposed_comm(pools):
     res = pools(2).run(harness.measured_prediction)
     (times0, pred0, meas0), (times1, _, _) = res

@@ -113,14 +113,45 @@ def _subtract(iv, cut) -> float:
     return total
 
 
-def exposed_comm(prof) -> dict[str, float]:
-    """Communication (s) and the part of it not overlapped with compute, from a profiler trace."""
+_NCCL_KINDS = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"),
+               ("sendrecv", "send_recv"), ("alltoall", "all_to_all"), ("broadcast", "broadcast"))
+
+
+def _nccl_kind(name: str) -> str:
+    flat = name.lower().replace("_", "")
+    return next((kind for key, kind in _NCCL_KINDS if key in flat), "other")
+
+
+def exposed_by_kernel(comm: list[tuple[float, float, str]], comp) -> tuple[dict[str, float], list[dict]]:
+    """Exposed time (µs, like the inputs) of each communication kernel ``(start, end, kind)`` against the
+    merged compute intervals ``comp``: summed per kind, and the five longest with their start from the
+    first kernel. Kernels in flight together each count their own exposed time, so the per-kind sums can
+    exceed the union's."""
+    by: dict[str, float] = {}
+    rows = []
+    t0 = min([a for a, _, _ in comm] + [a for a, _ in comp], default=0.0)
+    for a, b, kind in comm:
+        x = _subtract([(a, b)], comp)
+        by[kind] = by.get(kind, 0.0) + x
+        if x > 0:
+            rows.append({"kind": kind, "at_ms": round((a - t0) / 1e3, 3), "exposed_ms": round(x / 1e3, 3),
+                         "kernel_ms": round((b - a) / 1e3, 3)})
+    rows.sort(key=lambda r: -r["exposed_ms"])
+    return by, rows[:5]
+
+
+def exposed_comm(prof) -> dict[str, Any]:
+    """Communication (s) and the part of it not overlapped with compute, from a profiler trace; on GPUs
+    also the exposed seconds per collective kind and the five most exposed kernels (where in the step)."""
     gpu = torch.autograd.DeviceType.CUDA
     kernels = [e for e in prof.events() if e.device_type == gpu]
     if kernels:
-        comm = _merge([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()])
+        nccl = [(e.time_range.start, e.time_range.end, _nccl_kind(e.name)) for e in kernels if "nccl" in e.name.lower()]
+        comm = _merge([(a, b) for a, b, _ in nccl])
         comp = _merge([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
-        return {"comm_s": _length(comm) / 1e6, "exposed_s": _subtract(comm, comp) / 1e6}
+        by, top = exposed_by_kernel(nccl, comp)
+        return {"comm_s": _length(comm) / 1e6, "exposed_s": _subtract(comm, comp) / 1e6,
+                "exposed_by_kind_s": {k: v / 1e6 for k, v in sorted(by.items())}, "exposed_top": top}
     waits = _merge([(e.time_range.start, e.time_range.end) for e in prof.events()
                     if e.name.endswith("wait_tensor") or e.name in ("c10d::wait", "aten::wait")])
     return {"comm_s": None, "exposed_s": _length(waits) / 1e6}
