@@ -181,6 +181,8 @@ def test_fused_liveness_of_a_loss_follows_inductors_kernels():
     fused = liveness(gm, fused=True, cpu_code=False)
     assert fused.peak == logits + D * V * 2  # the gradient in the logits' buffer, then the weight's gradient
     assert not any(b >= 2 * logits for _, b in fused.at_peak)
+    for live in (eager, separate, fused):  # what is listed at the peak is the peak, each buffer once
+        assert sum(b for _, b in live.at_peak) == live.peak
 
 
 def test_fused_liveness_stores_what_feeds_a_matrix_product_through_a_view():

@@ -219,6 +219,7 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
     # inductor writes a kernel's result into the buffer of an input of the same size and dtype that
     # dies in that kernel (its inplace_buffers): the logits' buffer takes their gradient, say
     reuse: dict[int, int] = {}
+    reused: dict[int, fx.Node] = {}  # the input whose buffer the kernel at that position writes into
     if fused and inplace:
         for n, reads in kernel_reads.items():
             dt = getattr(n.meta.get("val"), "dtype", None)
@@ -226,6 +227,7 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
                 if (last[o] == pos[n] and o not in outputs and size[o] == size[n] and size[o]
                         and getattr(o.meta.get("val"), "dtype", None) == dt):
                     reuse[pos[n]] = size[o]
+                    reused[pos[n]] = o
                     break
     held: dict[int, int] = {}
     for a, b, nbytes in scratch:
@@ -240,7 +242,9 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
             peak, peak_at, peak_i = live, n.name, i
         live -= frees.get(i, 0) - reuse.get(i, 0)
         curve.append(live)
-    at_peak = sorted([(o.name, b) for o, b in size.items() if b and pos[o] <= peak_i <= last[o]]
+    # a buffer taken over at the peak by the kernel writing into it is listed once, as that kernel's
+    at_peak = sorted([(o.name, b) for o, b in size.items()
+                      if b and pos[o] <= peak_i <= last[o] and reused.get(peak_i) is not o]
                      + [(f"{nodes[a].name} (scratch)", b) for a, e, b in scratch if a <= peak_i <= e],
                      key=lambda r: -r[1])
     return Liveness(peak=peak, peak_at=peak_at, outputs=sum(size[o] for o in outputs), curve=curve,
