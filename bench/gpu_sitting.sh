@@ -23,6 +23,8 @@ NPROC=${NPROC:-2}; MODEL=${MODEL:-llama}; SIZE=${SIZE:-1b}; BATCH=${BATCH:-4}; S
 NAME=${NAME:-h200-$MODEL$SIZE-ws$NPROC}; LINK=$SITTING/link-nccl-ws$NPROC.json
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$SITTING/machine.txt"
 nvidia-smi topo -m >> "$SITTING/machine.txt" 2>&1
+# LINK_FROM=<profile.json>: take an earlier machine's profile of the same kind instead of calibrating (~20 s)
+if [ -n "${LINK_FROM:-}" ] && [ ! -f "$LINK" ]; then cp "$LINK_FROM" "$LINK"; fi
 if [ "$NPROC" -gt 1 ] && [ ! -f "$LINK" ]; then
   timeout 120 torchrun --nproc-per-node "$NPROC" -m shardwise.cli calibrate --min-bytes 1024 \
     --max-bytes $((1 << 30)) --name "nccl-h200-ws$NPROC" --out "$LINK" 2>&1 | grep -v -i warn | tee "$SITTING/calibrate.log"
