@@ -241,7 +241,8 @@ _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb
             "recompute": ("recompute", lambda v: bool(int(v))),
             "act": ("offload_activations", lambda v: bool(int(v))),
             "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30)),
-            "fused": ("fused_optimizer", lambda v: bool(int(v)))}
+            "fused": ("fused_optimizer", lambda v: bool(int(v))),
+            "overlap_update": ("overlap_update", lambda v: bool(int(v)))}
 
 # options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
 _PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}

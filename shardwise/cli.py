@@ -118,7 +118,8 @@ def _memory_kw(args) -> dict:
     return {"memory_budget": budget, "offload_optimizer": {None: False, "fit": True, "all": "all"}[args.offload_optimizer],
             "recompute": args.recompute, "offload_activations": args.offload_activations,
             "offload_host_update": args.host_update,
-            "fused_optimizer": False if args.no_fused_optimizer else None}
+            "fused_optimizer": False if args.no_fused_optimizer else None,
+            "overlap_update": args.overlap_update}
 
 
 def _host_share(v: str):
@@ -180,6 +181,9 @@ def _optimizer_args(p) -> None:
     """Flags of the jobs ``train`` and ``explain`` build (bench sets them per system: ``shardwise:fused=0``)."""
     p.add_argument("--no-fused-optimizer", action="store_true",
                    help="step AdamW with torch's default kernel; by default shardwise uses the fused one on CUDA")
+    p.add_argument("--overlap-update", action="store_true",
+                   help="zero3: update in chunks in forward order, on CUDA on a stream of its own, the next "
+                        "step's forward starting while later chunks update")
 
 
 def _bench_parser(sub) -> None:

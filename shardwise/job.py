@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -80,6 +81,7 @@ def compile(
     recompute: bool = False,
     offload_activations: bool = False,
     fused_optimizer: bool | None = None,
+    overlap_update: bool = False,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -119,6 +121,13 @@ def compile(
     pass over parameter, gradient and state; the multi-tensor path moves about three times the bytes
     for AdamW): None (default) does so on CUDA for an Adam, AdamW or SGD built without ``foreach`` or
     ``fused``; True requires it; False runs the optimizer as the factory built it.
+    ``overlap_update`` (zero3, state on the device) updates the parameters in chunks in forward order
+    and, on CUDA, on a stream of its own: the step returns before the update ends and the next step's
+    graph waits for each parameter where it first reads it (passes/ready.py), so its forward starts
+    while later chunks are updated. Off by default: whether the update's memory-bound kernels run
+    beside the forward's matrix products without slowing them is measured by ``shardwise bench``.
+    The optimizer's ``step`` then runs once per chunk (step hooks fire each time), and the predicted
+    peak does not count the gradients the update holds into the next step's forward.
 
     Example::
 
@@ -161,6 +170,10 @@ def compile(
         raise ValueError(f"offload_chunk_mb must be positive, got {offload_chunk_mb!r}")
     if offload_optimizer and strategy != "zero3":
         raise ValueError(f"offload_optimizer is built for zero3 so far, not {strategy}: use strategy='zero3'")
+    if overlap_update and (strategy != "zero3" or offload_optimizer):
+        raise ValueError("overlap_update is built for zero3 with the optimizer state on the device "
+                         f"(strategy={strategy!r}, offload_optimizer={offload_optimizer!r}); offload_optimizer "
+                         "overlaps its own update (offload_overlap)")
     if fused_optimizer not in (None, True, False):
         raise ValueError(f"fused_optimizer must be None (fuse where torch can, on CUDA), True or False, "
                          f"got {fused_optimizer!r}")
@@ -172,7 +185,7 @@ def compile(
                          f"offloaded state to update on the host, got {offload_host_update!r}")
     job = Job(model, optimizer, strategy, mesh, loss_fn, mixed_precision or MixedPrecision(), compile, bucket_mb,
               clip_grad_norm, shard_bucket_mb, schedule, max_in_flight_mb, max_in_flight_ops, offload_optimizer,
-              offload_chunk_mb, offload_overlap, fused_optimizer)
+              offload_chunk_mb, offload_overlap, fused_optimizer, overlap_update)
     job.host_update = offload_host_update
     job.link_profile = link_profile
     job.memory_budget = _budget_bytes(memory_budget, mesh.device)
@@ -218,7 +231,8 @@ class Job:
 
     def __init__(self, model, optimizer, strategy, mesh, loss_fn, mp, compile_mode, bucket_mb, clip_grad_norm=None,
                  shard_bucket_mb="auto", schedule=True, max_in_flight_mb=None, max_in_flight_ops=None,
-                 offload_optimizer=False, offload_chunk_mb=64, offload_overlap=True, fused_optimizer=None):
+                 offload_optimizer=False, offload_chunk_mb=64, offload_overlap=True, fused_optimizer=None,
+                 overlap_update=False):
         self.model = model
         self.strategy = strategy
         self.mesh = mesh
@@ -264,6 +278,21 @@ class Job:
             # the update of one step may still run when the next starts: its graph waits for each
             # parameter before its first reader (passes/ready.py; no-ops where nothing is pending)
             self.ctx = dataclasses.replace(self.ctx, param_ready=frozenset(self.state.grad_names))
+        self.overlap_update = bool(overlap_update)
+        self._upd = None  # CUDA: the stream an overlapped on-device update runs on
+        self._update_chunks: list[list[str]] | None = None
+        self._ready_names: set[str] = set()
+        if self.overlap_update:
+            self.ctx = dataclasses.replace(self.ctx, param_ready=frozenset(self.state.grad_names))
+            if mesh.device.type == "cuda":
+                opt = self.state.optimizer
+                if any(isinstance(g.get("lr"), torch.Tensor) for g in opt.param_groups):
+                    raise ValueError("overlap_update: the optimizer's lr is a tensor, which a scheduler would "
+                                     "change while the update still reads it; give lr as a float")
+                self._upd = torch.cuda.Stream(mesh.device)
+                # the optimizer's state is written on that stream: saving or loading it waits for it
+                opt.register_state_dict_pre_hook(lambda *_: self._drain())
+                opt.register_load_state_dict_pre_hook(lambda *_: self._drain())
         self.optimizer = self.state.optimizer
         self.buffers = dict(model.named_buffers())
         self._programs: dict[tuple, tuple[Program, Callable]] = {}
@@ -613,6 +642,8 @@ class Job:
         t_opt = self._sync_clock()
         if self.state.streamer is not None:
             self.state.streamer.step(grads)
+        elif self.overlap_update:
+            self._step_overlapped(grads)
         else:
             self.state.set_grads(grads)
             self.optimizer.step()
@@ -626,9 +657,74 @@ class Job:
         return loss.detach()
 
     def _drain(self) -> None:
-        """Wait for an optimizer update still running on its own streams (offload on CUDA)."""
+        """Wait for an optimizer update still running on its own streams (offload or overlap_update on
+        CUDA); the readiness works left on the parameters are taken off (their events have passed)."""
         if self.state.streamer is not None:
             self.state.streamer.drain()
+        if self._upd is not None:
+            torch.cuda.current_stream(self.mesh.device).wait_stream(self._upd)
+            with torch.no_grad():
+                for t in self.state.master.values():
+                    torch.ops._c10d_functional.wait_tensor(t)
+
+    def _chunks(self) -> list[list[str]]:
+        """The trainable parameters in the order the step program first reads them (its readiness
+        waits; those it never reads last), cut into about 16 chunks of equal bytes."""
+        if self._update_chunks is None:
+            prog = next(p for p, _ in self._programs.values())
+            order = [n.meta["sw_ready"] for n in prog.gm.graph.nodes if "sw_ready" in n.meta]
+            self._ready_names = set(order)
+            names = [n for n in order if n in self.state.opt_tensors]
+            names += [n for n in self.state.grad_names if n not in self._ready_names]
+            size = {n: self.state.master[n].numel() * self.state.master[n].element_size() for n in names}
+            target = sum(size.values()) / 16
+            chunks, cur, acc = [], [], 0
+            for n in names:
+                cur.append(n)
+                acc += size[n]
+                if acc >= target:
+                    chunks.append(cur)
+                    cur, acc = [], 0
+            self._update_chunks = chunks + ([cur] if cur else [])
+        return self._update_chunks
+
+    def _step_overlapped(self, grads: dict[str, torch.Tensor]) -> None:
+        """The update chunk by chunk in first-read order (each chunk: its gradients set, the optimizer
+        stepped, which skips parameters without one). On CUDA on ``self._upd``, after the step's graph;
+        each chunk's parameters that the graph reads get a work whose wait makes the reading stream
+        wait for the chunk's event (the next graph's readiness waits), and the gradients are kept from
+        reuse until the update has read them."""
+        upd = self._upd
+        chunks = self._chunks()
+        if upd is not None:
+            from torch._C._distributed_c10d import _register_work
+
+            from .runtime.offload import _Ready
+
+            upd.wait_stream(torch.cuda.current_stream(self.mesh.device))
+            for g in grads.values():  # before any chunk reads them: safe even if a chunk raises
+                g.record_stream(upd)
+        for chunk in chunks:
+            with torch.cuda.stream(upd) if upd is not None else contextlib.nullcontext():
+                try:
+                    self.state.set_grads({n: grads[n] for n in chunk})
+                    self.optimizer.step()
+                finally:
+                    for n in chunk:
+                        self.state.opt_tensors[n].grad = None
+                if upd is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(upd)
+            if upd is not None:
+                for n in chunk:
+                    if n in self._ready_names:  # a work nothing waits for would stay registered
+                        _register_work(self.state.master[n], _Ready(ev))
+
+    def synchronize(self) -> None:
+        """Wait (on the current stream) for an update still running on a stream of its own
+        (``overlap_update``, or the overlapped offload on CUDA). Every method of the job that reads
+        the state does this itself; call it before reading ``job.optimizer`` or the shards yourself."""
+        self._drain()
 
     def _sync_clock(self, force: bool = False) -> float:
         if (self.time_optimizer or force) and self.mesh.device.type == "cuda":
@@ -812,7 +908,7 @@ class Job:
         opt = self._optimizer_s(self.cost_inputs()[1])
         step = tl.step_s + opt
         st = self.state.streamer
-        if st is not None and st.overlap:
+        if (st is not None and st.overlap) or self._upd is not None:
             # the next step's forward runs while this update finishes (passes/ready.py): a step is its
             # backward plus the longer of its forward and the update
             from .capture import forward_nodes

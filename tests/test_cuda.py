@@ -118,8 +118,7 @@ def test_cuda_activation_offload_matches_keeping_them(executor):
     # saved activations copied to pinned host memory and back on their own streams: bit-identical to
     # keeping them on the GPU under the FX executor; under inductor the copies end fusions (a value
     # kept in fp32 inside one kernel is then stored in bf16), so equal to bf16 rounding
-    import shardwise as sw
-    from harness import adamw, make_batch, make_model
+    from harness import adamw, make_model
 
     # Adam turns a rounding difference in a near-zero gradient into a step of about lr on that element
     # (measured: 3-8% of the weights' norm after 4 steps, with either optimizer kernel), so the
@@ -128,11 +127,8 @@ def test_cuda_activation_offload_matches_keeping_them(executor):
     init = make_model("llama", "fp32").state_dict()
     res = []
     for off in (False, True):
-        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=opt, strategy="zero3",
-                         mesh=sw.mesh(dp=1, device="cuda"), compile=executor, offload_activations=off,
-                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
-        losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(4)]
-        res.append((losses, job.full_state_dict()))
+        job, losses, sd = _bf16_llama_steps(executor, opt, offload_activations=off)
+        res.append((losses, sd))
         assert bool(job.programs()[0].offloaded) == off
     if executor == "fx":
         assert res[0][0] == res[1][0]
@@ -164,3 +160,54 @@ def test_cuda_host_update_matches_the_streamed_update():
     for share in (0.5, "auto"):
         assert res[share][0] == pytest.approx(res[False][0], rel=1e-3)
         assert all(torch.allclose(res[share][1][k], res[False][1][k], rtol=1e-4, atol=1e-5) for k in res[False][1])
+
+
+@needs_cuda
+@pytest.mark.parametrize("executor", ["fx", "inductor"])
+def test_cuda_overlapped_update_matches_the_plain_one(executor):
+    # the update on its own stream, chunk by chunk, the next step's graph waiting per parameter: the
+    # same losses, evaluation and weights, bit for bit, as the update run after the step on the
+    # compute stream. Each chunk first sleeps on the update's stream (about 10 ms), so a missing wait
+    # would let the next graph read half-updated weights
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    res = []
+    for overlap in (False, True):
+        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
+                         mesh=sw.mesh(dp=1, device="cuda"), compile=executor, overlap_update=overlap,
+                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+        if overlap:
+            step = job.optimizer.step
+
+            def slow_step(*a, **k):
+                torch.cuda._sleep(int(2e7))
+                return step(*a, **k)
+
+            job.optimizer.step = slow_step
+        out = []
+        for s in range(4):
+            batch = tuple(t.cuda() for t in make_batch("llama", s, 0))
+            out.append(float(job.step(batch)))
+            if overlap and registry is not None and s == 0:
+                assert registry() == len(job._ready_names) > 0  # a work per parameter the graph reads
+            out.append(float(job.eval_step(batch)))  # reads the weights the update is still writing
+        res.append((out, job.full_state_dict()))
+        assert (job._upd is not None) == overlap
+        if registry is not None:
+            assert registry() == 0  # full_state_dict drained: nothing left registered
+    assert res[0][0] == res[1][0]
+    assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+
+
+def _bf16_llama_steps(executor, optimizer, steps=4, **kw):
+    """(job, losses, full state) of the tiny llama trained ``steps`` steps on one GPU, zero3, bf16 compute."""
+    import shardwise as sw
+    from harness import make_batch, make_model
+
+    job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=optimizer, strategy="zero3",
+                     mesh=sw.mesh(dp=1, device="cuda"), compile=executor,
+                     mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), **kw)
+    losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(steps)]
+    return job, losses, job.full_state_dict()

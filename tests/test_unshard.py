@@ -489,3 +489,46 @@ def test_the_budget_finds_the_longest_kept_prefix_that_fits_by_bisection():
     # every plan tried was a prefix of the greedy order
     order = cap.param_names[::-1]
     assert all(k == frozenset(order[:len(k)]) for k in built)
+
+
+# -- the on-device update overlapped with the next step (overlap_update) --------------------------
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_parity_with_the_update_overlapped(pools, name):
+    # on the CPU the chunks run in order on the one stream: the same update as one step of the
+    # optimizer over every parameter (elementwise, each parameter stepped once)
+    check(pools, name, "zero3", "fp64", 2, steps=4, overlap_update=True, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_overlapped_update_puts_a_readiness_wait_before_each_parameter_and_steps_in_chunks():
+    import torch
+    from harness import adamw, make_batch, make_model
+
+    import shardwise as sw
+
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+                     overlap_update=True)
+    batch = make_batch("llama", 0, 0)
+    job.step(batch)
+    gm = job.programs()[0].gm
+    ready = [n.meta["sw_ready"] for n in gm.graph.nodes if "sw_ready" in n.meta]
+    assert sorted(ready) == sorted(job.state.grad_names)
+    chunks = job._chunks()
+    first_read = [n.meta["sw_ready"] for n in gm.graph.nodes if "sw_ready" in n.meta]
+    assert 1 < len(chunks) <= 17 and [n for c in chunks for n in c] == first_read
+    assert chunks[0][0] == "tok.weight"  # the first the next forward reads updates first
+    plain = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1))
+    plain.step(batch)
+    assert not any("sw_ready" in n.meta for n in plain.programs()[0].gm.graph.nodes)
+    a, b = job.full_state_dict(), plain.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # one rank, same kernels: the same weights
+
+
+def test_overlap_update_is_refused_where_it_is_not_built():
+    from harness import adamw, make_model
+
+    import shardwise as sw
+
+    for kw in ({"strategy": "zero1"}, {"strategy": "zero3", "offload_optimizer": True}):
+        with pytest.raises(ValueError, match="overlap_update is built for zero3 with the optimizer state on the device"):
+            sw.compile(make_model("gpt", "fp32"), optimizer=adamw, mesh=sw.mesh(dp=1), overlap_update=True, **kw)
