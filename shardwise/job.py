@@ -906,18 +906,22 @@ class Job:
         prog, _ = self._compiled(batch, "step")
         tl, src = self._timeline(prog.gm, self._node_times.get(self._key(batch, "step")))
         opt = self._optimizer_s(self.cost_inputs()[1])
-        step = tl.step_s + opt
-        st = self.state.streamer
-        if (st is not None and st.overlap) or self._upd is not None:
-            # the next step's forward runs while this update finishes (passes/ready.py): a step is its
-            # backward plus the longer of its forward and the update
-            from .capture import forward_nodes
-
-            seen = {n.name for n in forward_nodes(prog.gm)}
-            fwd = max((e for k, name, _, e in tl.events if k == "compute" and name in seen), default=0.0)
-            step = (tl.step_s - fwd) + max(fwd, opt)
+        step = self._step_with_update(prog, tl, opt)
         return {"step_s": step, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
                 "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s, "compute_source": src, "timeline": tl}
+
+    def _step_with_update(self, prog: Program, tl, opt: float) -> float:
+        """A step of ``prog`` (simulated as ``tl``) with an update of ``opt`` seconds: after the graph, or,
+        where the update overlaps the next step (overlap_update, or offload's overlap on CUDA), its
+        backward plus the longer of its forward and the update (passes/ready.py)."""
+        st = self.state.streamer
+        if not ((st is not None and st.overlap) or self._upd is not None):
+            return tl.step_s + opt
+        from .capture import forward_nodes
+
+        seen = {n.name for n in forward_nodes(prog.gm)}
+        fwd = max((e for k, name, _, e in tl.events if k == "compute" and name in seen), default=0.0)
+        return (tl.step_s - fwd) + max(fwd, opt)
 
     def host_link(self):
         """The host link the offload cost model uses: the link profile's measured one, else the
@@ -1002,7 +1006,12 @@ class Job:
                              + (f", {ops} collective(s) at a time" if ops else ""))
             if mode == "step":
                 opt = self._optimizer_s(dev)
-                lines.append(f"  predicted step {(tl.step_s + opt) * 1e3:.2f} ms = graph + optimizer {opt * 1e3:.2f} ms")
+                step = self._step_with_update(prog, tl, opt)
+                if step == tl.step_s + opt:
+                    lines.append(f"  predicted step {step * 1e3:.2f} ms = graph + optimizer {opt * 1e3:.2f} ms")
+                else:
+                    lines.append(f"  predicted step {step * 1e3:.2f} ms = graph {tl.step_s * 1e3:.2f} ms, its forward "
+                                 f"beside the previous step's update ({opt * 1e3:.2f} ms)")
 
                 live = self._liveness(prog)
                 res = self.resident_bytes()
