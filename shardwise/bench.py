@@ -129,9 +129,9 @@ def _model(cfg: BenchConfig, device):
     from .models import build
 
     torch.manual_seed(cfg.seed)
-    # initialised where it runs: on one host thread (torchrun's OMP_NUM_THREADS=1) the 8B shape's
-    # initialisation takes minutes of each system's set-up, on a GPU a second; every rank draws the
-    # same weights from the same seed on the same kind of device
+    # initialised where it runs: on one host thread (torchrun's OMP_NUM_THREADS=1) the 1.1B shape's
+    # initialisation takes 23 s on our CPU machine, so the 8B shape's a minute or more of each system's
+    # set-up; every rank draws the same weights from the same seed on the same kind of device
     with torch.device(device):
         return build(cfg.model, cfg.size, checkpoint=cfg.checkpoint)
 

@@ -274,16 +274,15 @@ class Job:
                                   offload=bool(offload_optimizer), offload_chunk_bytes=int(offload_chunk_mb * 2**20),
                                   offload_overlap=offload_overlap, fused=fused_optimizer)
         self.offload_all = offload_optimizer == "all"
-        if self.state.streamer is not None:
-            # the update of one step may still run when the next starts: its graph waits for each
-            # parameter before its first reader (passes/ready.py; no-ops where nothing is pending)
-            self.ctx = dataclasses.replace(self.ctx, param_ready=frozenset(self.state.grad_names))
         self.overlap_update = bool(overlap_update)
         self._upd = None  # CUDA: the stream an overlapped on-device update runs on
         self._update_chunks: list[list[str]] | None = None
         self._ready_names: set[str] = set()
-        if self.overlap_update:
+        if self.state.streamer is not None or self.overlap_update:
+            # the update of one step may still run when the next starts: its graph waits for each
+            # parameter before its first reader (passes/ready.py; no-ops where nothing is pending)
             self.ctx = dataclasses.replace(self.ctx, param_ready=frozenset(self.state.grad_names))
+        if self.overlap_update:
             if mesh.device.type == "cuda":
                 opt = self.state.optimizer
                 if any(isinstance(g.get("lr"), torch.Tensor) for g in opt.param_groups):
@@ -910,12 +909,16 @@ class Job:
         return {"step_s": step, "graph_s": tl.step_s, "compute_s": tl.compute_s, "optimizer_s": opt,
                 "exposed_comm_s": tl.exposed_comm_s, "comm_s": tl.comm_s, "compute_source": src, "timeline": tl}
 
+    def _update_overlaps(self) -> bool:
+        """Whether a step's update runs beside the next step (overlap_update, or offload's overlap on CUDA)."""
+        st = self.state.streamer
+        return (st is not None and st.overlap) or self._upd is not None
+
     def _step_with_update(self, prog: Program, tl, opt: float) -> float:
         """A step of ``prog`` (simulated as ``tl``) with an update of ``opt`` seconds: after the graph, or,
         where the update overlaps the next step (overlap_update, or offload's overlap on CUDA), its
         backward plus the longer of its forward and the update (passes/ready.py)."""
-        st = self.state.streamer
-        if not ((st is not None and st.overlap) or self._upd is not None):
+        if not self._update_overlaps():
             return tl.step_s + opt
         from .capture import forward_nodes
 
@@ -1007,7 +1010,7 @@ class Job:
             if mode == "step":
                 opt = self._optimizer_s(dev)
                 step = self._step_with_update(prog, tl, opt)
-                if step == tl.step_s + opt:
+                if not self._update_overlaps():
                     lines.append(f"  predicted step {step * 1e3:.2f} ms = graph + optimizer {opt * 1e3:.2f} ms")
                 else:
                     lines.append(f"  predicted step {step * 1e3:.2f} ms = graph {tl.step_s * 1e3:.2f} ms, its forward "

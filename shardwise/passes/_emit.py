@@ -93,18 +93,15 @@ def restore_topological_order(g: fx.Graph) -> bool:
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     need = {n: len(n.all_input_nodes) for n in nodes}
-    ready = [(pos[n], n.name) for n in nodes if need[n] == 0]
-    heapq.heapify(ready)
-    by_name = {n.name: n for n in nodes}
+    ready = [i for i, n in enumerate(nodes) if need[n] == 0]  # positions: a heap of ints, earliest first
     order = []
     while ready:
-        _, name = heapq.heappop(ready)
-        n = by_name[name]
+        n = nodes[heapq.heappop(ready)]
         order.append(n)
         for u in n.users:
             need[u] -= 1
             if need[u] == 0:
-                heapq.heappush(ready, (pos[u], u.name))
+                heapq.heappush(ready, pos[u])
     if len(order) != len(nodes):
         raise RuntimeError("internal: the graph has a cycle")
     if order == nodes:
