@@ -385,6 +385,30 @@ def measured_prediction():
     return times, pred, meas
 
 
+def overlapped_update_prediction():
+    """(forward's idle compute time, [(update s, predicted step, graph s)]) of zero3 with overlap_update,
+    predicted as on CUDA (the update stream stood in for)."""
+    from shardwise.capture import forward_nodes
+
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
+                     overlap_update=True)
+    b = make_batch("llama", 0, dist.get_rank())
+    job.step(b)
+    job._upd = "a CUDA stream"  # only the prediction reads it here
+    prog, _ = job._compiled(b, "step")
+    tl = job.predict_step(b)["timeline"]
+    seen = {n.name for n in forward_nodes(prog.gm)}
+    fwd = [(s, e) for k, name, s, e in tl.events if k == "compute" and name in seen]
+    idle = max(e for _, e in fwd) - sum(e - s for s, e in fwd)
+    out = []
+    for opt in (idle / 2, 10.0):
+        job.last_optimizer_s = opt
+        pred = job.predict_step(b)
+        out.append((opt, pred["step_s"], pred["graph_s"]))
+    job._upd = None
+    return idle, out
+
+
 def rank_dependent_plan():
     """Same model and batch on every rank, but rank 1 buckets differently: the same captured graph,
     a different plan."""

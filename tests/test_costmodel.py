@@ -9,7 +9,8 @@ import torch
 
 from test_graph import captured, sw_nodes
 from shardwise.costmodel import DEVICES, PRESETS, LinkProfile, bus_factor, fit, flops, node_time, simulate
-from shardwise.passes import ShardContext, shard_step
+from shardwise.passes import CAP_FACTORS, ShardContext, shard_step
+from shardwise.passes import schedule as sched
 
 
 def test_alpha_beta_matches_the_ring_formula():
@@ -116,6 +117,39 @@ def test_auto_buckets_pick_the_fastest_size_within_the_peak_slack():
     again = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, shard_bucket_bytes="auto",
                                                   estimate=_count_estimator(1.0), bucket_peak_slack=100.0))
     assert again.gm.code == prog.gm.code
+
+
+def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them():
+    # an MoE's expert weights take longer to gather than the products between them take to run: with
+    # two payloads in flight each gather is issued one ahead and the compute waits. The cost model
+    # picks a larger cap, which issues the gathers further ahead (the graph change) and hides more
+    from shardwise.costmodel import liveness
+
+    _, cap = captured("moe")
+    compute = lambda n: 1.0 if "mm" in str(n.target) else 0.0  # noqa: E731
+    comm = lambda n: sched._payload(n) / 3000  # noqa: E731
+
+    def est(gm):
+        return simulate(gm, compute, comm).step_s, liveness(gm).peak
+
+    prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0))
+    rows = prog.schedule["cap_choice"]
+    largest = max(sched._payload(s) for s in sw_nodes(prog.gm))
+    assert [r[0] for r in rows] == [k * largest for k in CAP_FACTORS] and sum(r[3] for r in rows) == 1
+    chosen = next(r for r in rows if r[3])
+    assert chosen[0] > rows[0][0] and chosen[1] < rows[0][1] and chosen[1] == min(r[1] for r in rows)
+    assert prog.schedule["max_in_flight"] == chosen[0]
+    two = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, max_in_flight=rows[0][0]))
+    assert sum(prog.schedule["prefetched"].values()) > sum(two.schedule["prefetched"].values())
+    assert est(prog.gm) == (chosen[1], chosen[2]) and est(two.gm) == (rows[0][1], rows[0][2])
+    # no memory to spare: a cap that raises the predicted peak is shown but not chosen
+    tight = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=1.0))
+    t_rows = tight.schedule["cap_choice"]
+    assert all(r[2] <= t_rows[0][2] for r in t_rows if r[3]) and t_rows[-1][2] > t_rows[0][2]
+    # gloo (one collective at a time) and an explicit cap are not swept
+    for kw in ({"max_ops_in_flight": 1}, {"max_in_flight": 4 * largest}):
+        fixed = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, **kw))
+        assert "cap_choice" not in fixed.schedule
 
 
 def test_auto_buckets_need_the_cost_model():
@@ -254,7 +288,8 @@ def test_exposed_communication_by_collective_kind_and_place():
     assert _nccl_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "reduce_scatter"
     assert _nccl_kind("ncclKernel_AllReduce_RING_LL_Sum_float") == "all_reduce"
     # µs: an all-gather at the head with nothing to hide behind, one hidden, a reduce-scatter at the tail
-    comm = [(0, 1000, "all_gather"), (2000, 3000, "all_gather"), (9000, 9600, "reduce_scatter")]
+    # (the profiler's list may hold a kernel twice: it counts once)
+    comm = [(0, 1000, "all_gather"), (2000, 3000, "all_gather"), (9000, 9600, "reduce_scatter")] * 2
     comp = _merge([(1000, 9200)])
     by, top = exposed_by_kernel(comm, comp)
     assert by == {"all_gather": 1000, "reduce_scatter": 400}

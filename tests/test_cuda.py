@@ -168,37 +168,48 @@ def test_cuda_overlapped_update_matches_the_plain_one(executor):
     # the update on its own stream, chunk by chunk, the next step's graph waiting per parameter: the
     # same losses, evaluation and weights, bit for bit, as the update run after the step on the
     # compute stream. Each chunk first sleeps on the update's stream (about 10 ms), so a missing wait
-    # would let the next graph read half-updated weights
+    # would let the next graph read half-updated weights.
+    # Bit for bit needs deterministic kernels: inductor's embedding and norm-weight gradients
+    # accumulate with atomics, whose order changes when the update's kernels share the GPU (measured:
+    # 4 weights differ in the last bits without this, none with it; two plain runs agree either way)
+    registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        res = [_overlapped_update_run(executor, overlap, registry) for overlap in (False, True)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert res[0][0] == res[1][0]
+    assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+
+
+def _overlapped_update_run(executor, overlap, registry):
     import shardwise as sw
     from harness import adamw, make_batch, make_model
 
-    registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
-    res = []
-    for overlap in (False, True):
-        job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
-                         mesh=sw.mesh(dp=1, device="cuda"), compile=executor, overlap_update=overlap,
-                         mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
-        if overlap:
-            step = job.optimizer.step
+    job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
+                     mesh=sw.mesh(dp=1, device="cuda"), compile=executor, overlap_update=overlap,
+                     mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+    if overlap:
+        step = job.optimizer.step
 
-            def slow_step(*a, **k):
-                torch.cuda._sleep(int(2e7))
-                return step(*a, **k)
+        def slow_step(*a, **k):
+            torch.cuda._sleep(int(2e7))
+            return step(*a, **k)
 
-            job.optimizer.step = slow_step
-        out = []
-        for s in range(4):
-            batch = tuple(t.cuda() for t in make_batch("llama", s, 0))
-            out.append(float(job.step(batch)))
-            if overlap and registry is not None and s == 0:
-                assert registry() == len(job._ready_names) > 0  # a work per parameter the graph reads
-            out.append(float(job.eval_step(batch)))  # reads the weights the update is still writing
-        res.append((out, job.full_state_dict()))
-        assert (job._upd is not None) == overlap
-        if registry is not None:
-            assert registry() == 0  # full_state_dict drained: nothing left registered
-    assert res[0][0] == res[1][0]
-    assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
+        job.optimizer.step = slow_step
+    out = []
+    for s in range(4):
+        batch = tuple(t.cuda() for t in make_batch("llama", s, 0))
+        out.append(float(job.step(batch)))
+        if overlap and registry is not None and s == 0:
+            assert registry() == len(job._ready_names) > 0  # a work per parameter the graph reads
+        out.append(float(job.eval_step(batch)))  # reads the weights the update is still writing
+    sd = job.full_state_dict()
+    assert (job._upd is not None) == overlap
+    if registry is not None:
+        assert registry() == 0  # full_state_dict drained: nothing left registered
+    return out, sd
 
 
 def _bf16_llama_steps(executor, optimizer, steps=4, **kw):

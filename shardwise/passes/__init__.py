@@ -41,8 +41,9 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     return _finish(prog, ctx, mode, ctx.shard_bucket_bytes if strategy != "ddp" and starts else 0)
 
 
-def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes) -> Program:
-    """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), then schedule."""
+def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap: bool = True) -> Program:
+    """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), then schedule (with
+    ``sweep_cap``, under the in-flight cap the cost model picks: ``_schedule``)."""
     starts = _emit.collectives(prog.gm)
     if bucket_bytes != 0 and starts:
         limit = bucket_bytes or 2 * max(s.meta["sw"]["full_bytes"] for s in starts)
@@ -51,8 +52,7 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes) -> Progra
     if mode == "acc":
         prog = accumulate.into_inputs(prog)
     if ctx.schedule and starts:
-        cap_bytes = ctx.max_in_flight or 2 * max(schedule._payload(s) for s in starts)
-        prog.schedule = schedule.schedule(prog.gm, cap_bytes, ctx.max_ops_in_flight)
+        _schedule(prog, ctx, starts, sweep_cap)
     if ctx.offload_activations:
         names = ctx.offload_activations if ctx.offload_activations is not True \
             else {n.name for n, _ in actoffload.candidates(prog.gm)}
@@ -61,6 +61,40 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes) -> Progra
     if ctx.param_ready:
         ready.insert(prog, ctx.param_ready)
     return prog
+
+
+CAP_FACTORS = (2, 4, 8, 16)
+"""In-flight caps the scheduler tries, in multiples of the largest collective's payload."""
+
+
+def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool) -> None:
+    """Schedule ``prog.gm`` in place for latency hiding. The cap on bytes in flight is
+    ``ctx.max_in_flight`` if set; else, where the cost model and more than one collective in
+    flight are at hand (not gloo) and ``sweep`` is on, the cap among ``CAP_FACTORS`` times the
+    largest payload that ``ctx.estimate`` predicts fastest while the predicted peak stays within
+    ``ctx.bucket_peak_slack`` of the smallest cap's; else twice the largest payload. A larger cap
+    issues all-gathers further ahead: what a layer whose weights take longer to gather than to
+    use needs (an MoE's experts), at the price of the gathered weights living longer. Time need not
+    fall steadily with the cap, so every cap is tried until one is over the slack (the peak only
+    grows); ties go to the smaller cap, and the same graph gives the same choice on every rank."""
+    largest = max(schedule._payload(s) for s in starts)
+    if ctx.max_in_flight or not sweep or ctx.estimate is None or ctx.max_ops_in_flight == 1:
+        prog.schedule = schedule.schedule(prog.gm, ctx.max_in_flight or 2 * largest, ctx.max_ops_in_flight)
+        return
+    rows, tried = [], []
+    for k in CAP_FACTORS:
+        gm = copy.deepcopy(prog.gm)
+        summary = schedule.schedule(gm, k * largest, ctx.max_ops_in_flight)
+        t, peak = ctx.estimate(gm)
+        if rows and peak > ctx.bucket_peak_slack * rows[0][2]:
+            rows.append([k * largest, t, peak, False])  # shown, not chosen
+            break
+        rows.append([k * largest, t, peak, False])
+        tried.append((gm, summary))
+    i = min(range(len(tried)), key=lambda j: (rows[j][1], j))
+    rows[i][3] = True
+    prog.gm, prog.schedule = tried[i]
+    prog.schedule["cap_choice"] = [tuple(r) for r in rows]
 
 
 def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Program:
@@ -76,7 +110,7 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
     for k in (0, 1, 2, 4, 8, 16):
         p = copy.copy(prog)
         p.gm = copy.deepcopy(prog.gm)
-        p = _finish(p, ctx, mode, k * largest)
+        p = _finish(p, ctx, mode, k * largest, sweep_cap=False)
         t, peak = ctx.estimate(p.gm)
         rows.append([k * largest, t, peak, False])
         progs.append(p)
@@ -86,7 +120,10 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
     ok = [i for i, r in enumerate(rows) if r[2] <= ctx.bucket_peak_slack * base_peak]
     best = min(ok, key=lambda i: (rows[i][1], i))
     rows[best][3] = True
-    chosen = progs[best]
+    # the chosen size finished again, the in-flight cap now swept too (one sweep, not one per size)
+    chosen = copy.copy(prog)
+    chosen.gm = copy.deepcopy(prog.gm)
+    chosen = _finish(chosen, ctx, mode, rows[best][0])
     chosen.bucket_choice = [tuple(r) for r in rows]
     return chosen
 
@@ -105,4 +142,4 @@ def _rewrite(cap: Capture, gm, strategy: str, ctx: ShardContext, mode: str) -> P
     return prog
 
 
-__all__ = ["MODES", "Program", "STRATEGIES", "ShardContext", "shard_step"]
+__all__ = ["CAP_FACTORS", "MODES", "Program", "STRATEGIES", "ShardContext", "shard_step"]

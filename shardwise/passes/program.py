@@ -69,7 +69,8 @@ class ShardContext:
     """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it
     (each waited for right after it starts)."""
     max_in_flight: int | None = None
-    """Cap on bytes of collectives started and not yet waited for; None: twice the largest one."""
+    """Cap on bytes of collectives started and not yet waited for; None: swept with ``estimate``
+    (passes/__init__.py ``_schedule``), else twice the largest one."""
     max_ops_in_flight: int | None = None
     """Cap on the number of collectives in flight; None: no cap. gloo needs 1: with two all-gathers
     of one gloo process group in flight, a rank sometimes waits forever for data its peers already

@@ -126,9 +126,11 @@ def exposed_by_kernel(comm: list[tuple[float, float, str]], comp) -> tuple[dict[
     """Exposed time (µs, like the inputs) of each communication kernel ``(start, end, kind)`` against the
     merged compute intervals ``comp``: summed per kind, and the five longest with their start from the
     first kernel. Kernels in flight together each count their own exposed time, so the per-kind sums can
-    exceed the union's."""
+    exceed the union's. A kernel listed more than once counts once (the profiler's event list held every
+    NCCL kernel twice on torch 2.11 with CUDA)."""
     by: dict[str, float] = {}
     rows = []
+    comm = sorted(set(comm))
     t0 = min([a for a, _, _ in comm] + [a for a, _ in comp], default=0.0)
     for a, b, kind in comm:
         x = _subtract([(a, b)], comp)
