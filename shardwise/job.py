@@ -97,8 +97,9 @@ def compile(
     a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``. ``schedule``
     (on by default) reorders collectives for latency hiding (passes/schedule.py) under a cap of
     ``max_in_flight_mb`` (default: of 2, 4, 8 and 16 times the largest collective, the one the cost
-    model predicts fastest within 10% of the smallest's predicted peak; on gloo twice the largest)
-    and ``max_in_flight_ops`` collectives started and not yet waited for (default: no cap; on gloo
+    model predicts fastest within 10% of the peak the bucket choice started from, and under a
+    memory budget within the budget; with one collective at a time, twice the largest) and
+    ``max_in_flight_ops`` collectives started and not yet waited for (default: no cap; on gloo
     always one).
     ``memory_budget`` (bytes, or a fraction of what this process may use on its device) makes the
     plan fit: under zero3 the parameters that fit stay gathered from forward to backward (no
@@ -932,11 +933,10 @@ class Job:
         from .capture import forward_nodes
 
         seen = {n.name for n in forward_nodes(prog.gm)}
-        fwd = [(s, e) for k, name, s, e in tl.events if k == "compute" and name in seen]
-        end = max((e for _, e in fwd), default=0.0)
+        end = max((e for k, name, _, e in tl.events if k == "compute" and name in seen), default=0.0)
         if self.state.streamer is not None:
             return (tl.step_s - end) + max(end, opt)
-        idle = max(0.0, end - sum(e - s for s, e in fwd))
+        idle = sum(e - s for k, _, s, e in tl.events if k == "wait" and e <= end)  # compute lane waiting
         return tl.step_s + max(0.0, opt - idle)
 
     def host_link(self):

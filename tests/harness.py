@@ -397,9 +397,10 @@ def overlapped_update_prediction():
     job._upd = "a CUDA stream"  # only the prediction reads it here
     prog, _ = job._compiled(b, "step")
     tl = job.predict_step(b)["timeline"]
+    # idle: the part of the time to the forward's end that the compute lane is not busy
     seen = {n.name for n in forward_nodes(prog.gm)}
-    fwd = [(s, e) for k, name, s, e in tl.events if k == "compute" and name in seen]
-    idle = max(e for _, e in fwd) - sum(e - s for s, e in fwd)
+    fwd_end = max(e for k, name, _, e in tl.events if k == "compute" and name in seen)
+    idle = fwd_end - sum(e - s for k, _, s, e in tl.events if k == "compute" and e <= fwd_end)
     out = []
     for opt in (idle / 2, 10.0):
         job.last_optimizer_s = opt

@@ -1,5 +1,6 @@
 """The cost model: α-β collectives, fitting, roofline compute and the two-lane step simulation."""
 
+import dataclasses
 import json
 
 import harness
@@ -150,6 +151,40 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
     for kw in ({"max_ops_in_flight": 1}, {"max_in_flight": 4 * largest}):
         fixed = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, **kw))
         assert "cap_choice" not in fixed.schedule
+    # predicted times equal but for rounding: the smallest cap, not a larger peak for nothing
+    flat = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, bucket_peak_slack=100.0,
+                                                 estimate=lambda gm: (1.0 - 1e-12 * liveness(gm).peak,
+                                                                      liveness(gm).peak)))
+    assert flat.schedule["cap_choice"][0][3] and flat.gm.code == two.gm.code
+    # with auto buckets (the default): buckets chosen, then the cap swept once, the same every time
+    auto = [shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, shard_bucket_bytes="auto",
+                                                  bucket_peak_slack=100.0)) for _ in range(2)]
+    assert auto[0].bucket_choice and auto[0].schedule["cap_choice"] and auto[0].gm.code == auto[1].gm.code
+
+
+def test_a_memory_budget_sweeps_the_cap_of_the_plan_it_keeps_under_the_budget():
+    # the budget is the smallest cap's own peak: the plan fits as it is (no recomputation), and the
+    # sweep may not take a cap whose peak is over the budget
+    from shardwise.costmodel import liveness
+
+    _, cap = captured("moe")
+    compute = lambda n: 1.0 if "mm" in str(n.target) else 0.0  # noqa: E731
+    comm = lambda n: sched._payload(n) / 3000  # noqa: E731
+
+    def est(gm):
+        return simulate(gm, compute, comm).step_s, liveness(gm).peak
+
+    base = ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0, reserve=10**12)
+    free = shard_step(cap, "zero3", base)
+    assert next(r for r in free.schedule["cap_choice"] if r[3])[0] > free.schedule["cap_choice"][0][0]
+    budget = free.schedule["cap_choice"][0][2]
+    prog = shard_step(cap, "zero3", dataclasses.replace(base, graph_budget=budget))
+    assert not prog.recomputed and prog.unsharded == []  # the reserve keeps nothing gathered
+    rows = prog.schedule["cap_choice"]
+    assert rows[0][3] and all(r[2] > budget for r in rows[1:])  # larger caps were over the budget
+    assert prog.predicted_graph_peak <= budget
+    roomy = shard_step(cap, "zero3", dataclasses.replace(base, graph_budget=10**12))
+    assert next(r for r in roomy.schedule["cap_choice"] if r[3])[0] > rows[0][0]
 
 
 def test_auto_buckets_need_the_cost_model():

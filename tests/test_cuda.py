@@ -173,12 +173,12 @@ def test_cuda_overlapped_update_matches_the_plain_one(executor):
     # accumulate with atomics, whose order changes when the update's kernels share the GPU (measured:
     # 4 weights differ in the last bits without this, none with it; two plain runs agree either way)
     registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
-    was = torch.are_deterministic_algorithms_enabled()
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         res = [_overlapped_update_run(executor, overlap, registry) for overlap in (False, True)]
     finally:
-        torch.use_deterministic_algorithms(was)
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
     assert res[0][0] == res[1][0]
     assert all(torch.equal(res[0][1][k], res[1][1][k]) for k in res[0][1])
 

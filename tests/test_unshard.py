@@ -384,7 +384,7 @@ def test_on_device_overlapped_update_is_predicted_to_hide_only_in_the_forwards_i
     assert idle > 0  # the forward waits for its all-gathers at ws=2
     (short, step_short, graph_short), (long_, step_long, graph_long) = preds
     assert step_short == pytest.approx(graph_short, rel=1e-9)
-    assert step_long == pytest.approx(graph_long + long_ - idle, rel=1e-9)
+    assert step_long == pytest.approx(graph_long + long_ - idle, rel=1e-6)
 
 
 def test_explain_lists_the_activations_the_backward_keeps_and_recomputation_shrinks_them():
@@ -493,7 +493,8 @@ def test_the_budget_finds_the_longest_kept_prefix_that_fits_by_bisection():
 
     ctx = ShardContext(4, "g", schedule=False, estimate=lambda gm: (0.0, 1000 * len(kept(gm))),
                        graph_budget=7500, reserve=-10**12)
-    prog = unshard.plan(cap, ctx, "step", build)
+    used, prog = unshard.plan(cap, ctx, "step", build)
+    assert used.keep_gathered == frozenset(prog.unsharded)  # the context that built the plan kept
     n = len(cap.param_names)
     assert prog.unsharded == sorted(cap.param_names[::-1][:7])  # the last 7 (the first the backward needs)
     assert kept(prog.gm) == set(prog.unsharded) - {"tok.weight"} and prog.predicted_graph_peak == 7000

@@ -26,12 +26,23 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     if ctx.compute_dtype_grads and ctx.ws == 1 and mode == "step" and ctx.reduce_dtype is not None:
         ctx = dataclasses.replace(ctx, reduce_dtype=None)
     if ctx.graph_budget is not None:
+        def build(c: ShardContext) -> Program:
+            return shard_step(cap, strategy, c, mode)
+
+        # the budget's search builds every candidate under the smallest in-flight cap (its peaks then
+        # grow with what it keeps); the plan it keeps is built again with the cap swept under the budget
+        searching = dataclasses.replace(ctx, cap_sweep=False)
         if strategy == "zero3":
-            return unshard.plan(cap, ctx, mode, lambda c: shard_step(cap, strategy, c, mode))
-        _, prog, peak = unshard.fit(lambda c: shard_step(cap, strategy, c, mode),
-                                    dataclasses.replace(ctx, graph_budget=None), ctx.graph_budget)
-        prog.predicted_graph_peak = peak
-        return prog
+            used, prog = unshard.plan(cap, searching, mode, build)
+        else:
+            used, prog, peak = unshard.fit(build, dataclasses.replace(searching, graph_budget=None), ctx.graph_budget)
+            prog.predicted_graph_peak = peak
+        if not ctx.cap_sweep or prog.schedule is None or not _sweeps(ctx):
+            return prog
+        swept = build(dataclasses.replace(used, cap_sweep=True, peak_limit=ctx.graph_budget))
+        swept.unsharded = prog.unsharded
+        swept.predicted_graph_peak = ctx.estimate(swept.gm)[1]
+        return swept
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
     if ctx.recompute:
         prog.recomputed = recompute.apply(prog.gm)
@@ -41,9 +52,13 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     return _finish(prog, ctx, mode, ctx.shard_bucket_bytes if strategy != "ddp" and starts else 0)
 
 
-def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap: bool = True) -> Program:
-    """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), then schedule (with
-    ``sweep_cap``, under the in-flight cap the cost model picks: ``_schedule``)."""
+def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap: bool = True,
+            ref_peak: int | None = None) -> Program:
+    """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), schedule, then keep
+    activations on the host and put readiness waits where ``ctx`` asks. With ``sweep_cap`` (and
+    ``ctx.cap_sweep``) the scheduler's in-flight cap is the one the cost model picks (``_schedule``);
+    ``ref_peak`` is the predicted peak the sweep's memory slack is measured from (default: the
+    smallest cap's)."""
     starts = _emit.collectives(prog.gm)
     if bucket_bytes != 0 and starts:
         limit = bucket_bytes or 2 * max(s.meta["sw"]["full_bytes"] for s in starts)
@@ -52,7 +67,12 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap
     if mode == "acc":
         prog = accumulate.into_inputs(prog)
     if ctx.schedule and starts:
-        _schedule(prog, ctx, starts, sweep_cap)
+        return _schedule(prog, ctx, starts, sweep_cap and ctx.cap_sweep, ref_peak)
+    return _after_schedule(prog, ctx)
+
+
+def _after_schedule(prog: Program, ctx: ShardContext) -> Program:
+    """Activation offload and readiness waits: the rewrites that follow the schedule."""
     if ctx.offload_activations:
         names = ctx.offload_activations if ctx.offload_activations is not True \
             else {n.name for n, _ in actoffload.candidates(prog.gm)}
@@ -66,35 +86,49 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap
 CAP_FACTORS = (2, 4, 8, 16)
 """In-flight caps the scheduler tries, in multiples of the largest collective's payload."""
 
+CAP_TIE = 1e-3
+"""Caps predicted within this fraction of the fastest count as fast as it (the smallest is taken)."""
 
-def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool) -> None:
-    """Schedule ``prog.gm`` in place for latency hiding. The cap on bytes in flight is
-    ``ctx.max_in_flight`` if set; else, where the cost model and more than one collective in
-    flight are at hand (not gloo) and ``sweep`` is on, the cap among ``CAP_FACTORS`` times the
-    largest payload that ``ctx.estimate`` predicts fastest while the predicted peak stays within
-    ``ctx.bucket_peak_slack`` of the smallest cap's; else twice the largest payload. A larger cap
-    issues all-gathers further ahead: what a layer whose weights take longer to gather than to
-    use needs (an MoE's experts), at the price of the gathered weights living longer. Time need not
-    fall steadily with the cap, so every cap is tried until one is over the slack (the peak only
-    grows); ties go to the smaller cap, and the same graph gives the same choice on every rank."""
+
+def _sweeps(ctx: ShardContext) -> bool:
+    """Whether the in-flight cap is the cost model's to choose: no cap given, the cost model at hand,
+    and more than one collective allowed in flight (not gloo, not ``max_ops_in_flight=1``)."""
+    return not ctx.max_in_flight and ctx.estimate is not None and ctx.max_ops_in_flight != 1
+
+
+def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: int | None) -> Program:
+    """Schedule ``prog`` for latency hiding, then finish it (``_after_schedule``). The cap on bytes
+    in flight is ``ctx.max_in_flight`` if set; else, where ``_sweeps`` and ``sweep``, the cap among
+    ``CAP_FACTORS`` times the largest payload that ``ctx.estimate`` predicts fastest (within
+    ``CAP_TIE``; ties to the smaller) of those whose predicted peak stays within
+    ``ctx.bucket_peak_slack`` of ``ref_peak`` and under ``ctx.peak_limit``; else twice the largest
+    payload. Each cap is judged on the finished program. A larger cap issues all-gathers further
+    ahead: what a layer whose weights take longer to gather than to use needs (an MoE's experts), at
+    the price of the gathered weights living longer. The same graph gives the same choice on every
+    rank (roofline and link profile, no measurements)."""
     largest = max(schedule._payload(s) for s in starts)
-    if ctx.max_in_flight or not sweep or ctx.estimate is None or ctx.max_ops_in_flight == 1:
+    if not (sweep and _sweeps(ctx)):
         prog.schedule = schedule.schedule(prog.gm, ctx.max_in_flight or 2 * largest, ctx.max_ops_in_flight)
-        return
+        return _after_schedule(prog, ctx)
     rows, tried = [], []
     for k in CAP_FACTORS:
-        gm = copy.deepcopy(prog.gm)
-        summary = schedule.schedule(gm, k * largest, ctx.max_ops_in_flight)
-        t, peak = ctx.estimate(gm)
-        if rows and peak > ctx.bucket_peak_slack * rows[0][2]:
-            rows.append([k * largest, t, peak, False])  # shown, not chosen
-            break
+        p = copy.copy(prog)
+        p.gm = copy.deepcopy(prog.gm)
+        p.schedule = schedule.schedule(p.gm, k * largest, ctx.max_ops_in_flight)
+        p = _after_schedule(p, ctx)
+        t, peak = ctx.estimate(p.gm)
+        limit = ctx.bucket_peak_slack * (ref_peak if ref_peak is not None else (rows[0][2] if rows else peak))
+        ok = peak <= limit and (ctx.peak_limit is None or peak <= ctx.peak_limit)
         rows.append([k * largest, t, peak, False])
-        tried.append((gm, summary))
-    i = min(range(len(tried)), key=lambda j: (rows[j][1], j))
+        if not ok and tried:
+            break  # the peak only grows with the cap: larger ones will not fit either
+        tried.append(p)
+    fastest = min(r[1] for r in rows[:len(tried)])
+    i = next(j for j in range(len(tried)) if rows[j][1] <= fastest * (1 + CAP_TIE))
     rows[i][3] = True
-    prog.gm, prog.schedule = tried[i]
-    prog.schedule["cap_choice"] = [tuple(r) for r in rows]
+    chosen = tried[i]
+    chosen.schedule["cap_choice"] = [tuple(r) for r in rows]
+    return chosen
 
 
 def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Program:
@@ -123,7 +157,7 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
     # the chosen size finished again, the in-flight cap now swept too (one sweep, not one per size)
     chosen = copy.copy(prog)
     chosen.gm = copy.deepcopy(prog.gm)
-    chosen = _finish(chosen, ctx, mode, rows[best][0])
+    chosen = _finish(chosen, ctx, mode, rows[best][0], ref_peak=base_peak)
     chosen.bucket_choice = [tuple(r) for r in rows]
     return chosen
 

@@ -71,6 +71,11 @@ class ShardContext:
     max_in_flight: int | None = None
     """Cap on bytes of collectives started and not yet waited for; None: swept with ``estimate``
     (passes/__init__.py ``_schedule``), else twice the largest one."""
+    cap_sweep: bool = True
+    """Let the cost model choose the in-flight cap (where ``max_in_flight`` is None). A memory budget's
+    search turns it off while it compares plans and sweeps the plan it keeps."""
+    peak_limit: int | None = None
+    """An in-flight cap whose predicted graph peak is above this is not chosen (the budget's)."""
     max_ops_in_flight: int | None = None
     """Cap on the number of collectives in flight; None: no cap. gloo needs 1: with two all-gathers
     of one gloo process group in flight, a rank sometimes waits forever for data its peers already

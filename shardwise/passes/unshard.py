@@ -65,7 +65,10 @@ def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
     return ctx, prog, peak
 
 
-def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardContext], Program]) -> Program:
+def plan(cap: Capture, ctx: ShardContext, mode: str,
+         build: Callable[[ShardContext], Program]) -> tuple[ShardContext, Program]:
+    """The zero3 plan under ``ctx.graph_budget`` (module docstring); returns (the context that built
+    it, the program)."""
     if ctx.estimate is None:
         raise ValueError("a memory budget needs ShardContext.estimate (the cost model)")
     budget = ctx.graph_budget
@@ -73,7 +76,7 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
                                budget)
     if ctx.ws == 1:  # one rank gathers nothing: there is nothing to keep gathered
         base.unsharded, base.predicted_graph_peak = [], peak
-        return base
+        return base_ctx, base
     headroom = budget - peak - ctx.reserve  # what other uses hold first (ShardContext.reserve)
     phs = cap.gm.graph.find_nodes(op="placeholder")[: cap.n_params]
     nbytes = {n: ph.meta["val"].numel() * ph.meta["val"].element_size() for n, ph in zip(cap.param_names, phs)}
@@ -87,11 +90,13 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
     # Every plan tried is a full rewrite and a simulation, seconds on an 8B graph: log2 of them rather
     # than one per parameter given back.
     best, fits, best_peak = base, 0, peak  # the empty prefix is the base plan, which fits
+    used = base_ctx
     if keep:
         prog = build(dataclasses.replace(base_ctx, keep_gathered=frozenset(keep)))
         _, p = ctx.estimate(prog.gm)
         if p <= budget:
             best, fits, best_peak = prog, len(keep), p
+            used = dataclasses.replace(base_ctx, keep_gathered=frozenset(keep))
         else:
             lo, hi = 0, len(keep) - 1  # the prefix of lo fits; none longer than hi does
             while lo < hi:
@@ -100,10 +105,11 @@ def plan(cap: Capture, ctx: ShardContext, mode: str, build: Callable[[ShardConte
                 _, p = ctx.estimate(prog.gm)
                 if p <= budget:
                     best, lo, best_peak = prog, k, p
+                    used = dataclasses.replace(base_ctx, keep_gathered=frozenset(keep[:k]))
                 else:
                     hi = k - 1
             fits = lo
     prog = best
     prog.unsharded = sorted(keep[:fits])
     prog.predicted_graph_peak = best_peak
-    return prog
+    return used, prog

@@ -6,6 +6,7 @@ Each run names its source. ``fitted`` marks the runs the efficiency curve was fi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .clusters import cluster
@@ -22,6 +23,8 @@ OURS_H200X2 = "shardwise bench, bench/results/2026-11-30-h200x2-llama1b-ws2.json
 OURS_8B = "shardwise bench, bench/results/2026-11-30-h200x2-llama8b-ws2{,-ckpt}.json (two sittings, NCCL-calibrated link)"
 OURS_8B_FUSED = "shardwise bench, bench/results/2026-11-30-h200x2-sitting4-llama8b-fused-{a,b}.json (fused AdamW, " \
     "two machines of one kind)"
+OURS_MOE = "shardwise bench, bench/results/2026-11-30-h200x2-sitting5-moe8x7b-8l.json (fused AdamW; " \
+    "predicted blind in bench/results/2026-11-30-h200x2-sitting3-summary.md)"
 TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (github.com/pytorch/torchtitan): " \
              "H100 SXM 96 GB HBM2e at a 500 W power limit, 400 Gb/s RDMA per GPU, sequence 8192 (its 8B config), " \
              "selective per-op activation checkpointing, bf16, torch of 2024-12-23"
@@ -194,6 +197,12 @@ RUNS: list[Run] = [
           model("llama3-8b"), "h200-nv18-x2:1", Strategy(zero=z, micro_batch=2, global_batch=4, seq=4096, recompute="none"),
           s, OURS_8B_FUSED)
       for who, z, s in (("FSDP2 + torch.compile", 3, 0.7991), ("shardwise zero3 + memory plan", 2, 0.7755))],
+    # 8 of Mixtral 8x7B's 32 layers with capacity dispatch on the same two GPUs (shardwise's own row
+    # is left out: its memory plan kept some of the weights gathered, between the planner's stages)
+    Run("Mixtral 8x7B's layer x 8, capacity 1.25, 2 H200 over NVLink, FSDP2 + torch.compile (fused AdamW), "
+        "1x4096 per GPU, no recomputation", dataclasses.replace(model("mixtral-8x7b"), name="mixtral-8x7b-8l", layers=8),
+        "h200-nv18-x2:1", Strategy(zero=3, micro_batch=1, global_batch=2, seq=4096, recompute="none", capacity=1.25),
+        0.3561, OURS_MOE),
     _a3_llama2_7b(),
     # tpu-recipes on v6e. Their custom remat policies rerun every layer but a few tensors moved to host
     # memory (the layer input, the attention projections' outputs); planned as block, the one policy
