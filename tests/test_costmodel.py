@@ -120,19 +120,27 @@ def test_auto_buckets_pick_the_fastest_size_within_the_peak_slack():
     assert again.gm.code == prog.gm.code
 
 
+def _gather_bound_moe():
+    """(the tiny MoE's capture, a stand-in cost model under which its expert weights take longer to
+    gather than the products between them take: one unit per product, bytes / 3000 per collective)."""
+    from shardwise.costmodel import liveness
+
+    _, cap = captured("moe")
+
+    def est(gm):
+        tl = simulate(gm, lambda n: 1.0 if "mm" in str(n.target) else 0.0, lambda n: sched._payload(n) / 3000)
+        return tl.step_s, liveness(gm).peak
+
+    return cap, est
+
+
 def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them():
     # an MoE's expert weights take longer to gather than the products between them take to run: with
     # two payloads in flight each gather is issued one ahead and the compute waits. The cost model
     # picks a larger cap, which issues the gathers further ahead (the graph change) and hides more
     from shardwise.costmodel import liveness
 
-    _, cap = captured("moe")
-    compute = lambda n: 1.0 if "mm" in str(n.target) else 0.0  # noqa: E731
-    comm = lambda n: sched._payload(n) / 3000  # noqa: E731
-
-    def est(gm):
-        return simulate(gm, compute, comm).step_s, liveness(gm).peak
-
+    cap, est = _gather_bound_moe()
     prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0))
     rows = prog.schedule["cap_choice"]
     largest = max(sched._payload(s) for s in sw_nodes(prog.gm))
@@ -167,13 +175,7 @@ def test_a_memory_budget_sweeps_the_cap_of_the_plan_it_keeps_under_the_budget():
     # sweep may not take a cap whose peak is over the budget
     from shardwise.costmodel import liveness
 
-    _, cap = captured("moe")
-    compute = lambda n: 1.0 if "mm" in str(n.target) else 0.0  # noqa: E731
-    comm = lambda n: sched._payload(n) / 3000  # noqa: E731
-
-    def est(gm):
-        return simulate(gm, compute, comm).step_s, liveness(gm).peak
-
+    cap, est = _gather_bound_moe()
     base = ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0, reserve=10**12)
     free = shard_step(cap, "zero3", base)
     assert next(r for r in free.schedule["cap_choice"] if r[3])[0] > free.schedule["cap_choice"][0][0]
