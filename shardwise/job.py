@@ -234,6 +234,12 @@ def _budget_bytes(budget, device: torch.device) -> int | None:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * budget)
 
 
+def _choices(rows) -> str:
+    """A cost-model choice's rows (size, predicted s, predicted peak, chosen) as ``explain`` prints them."""
+    return "; ".join(f"{'*' if c else ''}{b / 2**20:.2f} MiB -> {t * 1e3:.2f} ms, peak {pk / 2**20:.1f} MiB"
+                     for b, t, pk, c in rows)
+
+
 class Job:
     """A compiled training job. Build it with :func:`shardwise.compile`."""
 
@@ -1013,17 +1019,13 @@ class Job:
             if prog.hashes:
                 lines.append(f"  hashes (agreed by every rank): capture {prog.hashes['capture']} plan {prog.hashes['plan']}")
             if prog.bucket_choice:
-                lines.append("  buckets (auto, cost model): " + "; ".join(
-                    f"{'*' if c else ''}{b / 2**20:.2f} MiB -> {t * 1e3:.2f} ms, peak {pk / 2**20:.1f} MiB"
-                    for b, t, pk, c in prog.bucket_choice))
+                lines.append("  buckets (auto, cost model): " + _choices(prog.bucket_choice))
             if prog.schedule:
                 ops = prog.schedule.get("max_ops")
                 lines.append(f"  schedule: cap {prog.schedule['max_in_flight'] / 2**20:.2f} MiB in flight"
                              + (f", {ops} collective(s) at a time" if ops else ""))
                 if prog.schedule.get("cap_choice"):
-                    lines.append("  in-flight caps (cost model): " + "; ".join(
-                        f"{'*' if c else ''}{b / 2**20:.2f} MiB -> {t * 1e3:.2f} ms, peak {pk / 2**20:.1f} MiB"
-                        for b, t, pk, c in prog.schedule["cap_choice"]))
+                    lines.append("  in-flight caps (cost model): " + _choices(prog.schedule["cap_choice"]))
             if mode == "step":
                 opt = self._optimizer_s(dev)
                 step = self._step_with_update(prog, tl, opt)

@@ -184,12 +184,9 @@ def test_cuda_overlapped_update_matches_the_plain_one(executor):
 
 
 def _overlapped_update_run(executor, overlap, registry):
-    import shardwise as sw
-    from harness import adamw, make_batch, make_model
+    from harness import adamw, make_batch
 
-    job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
-                     mesh=sw.mesh(dp=1, device="cuda"), compile=executor, overlap_update=overlap,
-                     mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+    job = _bf16_llama_job(executor, adamw, overlap_update=overlap)
     if overlap:
         step = job.optimizer.step
 
@@ -212,13 +209,20 @@ def _overlapped_update_run(executor, overlap, registry):
     return out, sd
 
 
+def _bf16_llama_job(executor, optimizer, **kw):
+    """The tiny llama compiled for one GPU, zero3, bf16 compute."""
+    import shardwise as sw
+    from harness import make_model
+
+    return sw.compile(make_model("llama", "fp32").cuda(), optimizer=optimizer, strategy="zero3",
+                      mesh=sw.mesh(dp=1, device="cuda"), compile=executor,
+                      mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), **kw)
+
+
 def _bf16_llama_steps(executor, optimizer, steps=4, **kw):
     """(job, losses, full state) of the tiny llama trained ``steps`` steps on one GPU, zero3, bf16 compute."""
-    import shardwise as sw
-    from harness import make_batch, make_model
+    from harness import make_batch
 
-    job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=optimizer, strategy="zero3",
-                     mesh=sw.mesh(dp=1, device="cuda"), compile=executor,
-                     mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), **kw)
+    job = _bf16_llama_job(executor, optimizer, **kw)
     losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(steps)]
     return job, losses, job.full_state_dict()

@@ -154,10 +154,12 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
     ok = [i for i, r in enumerate(rows) if r[2] <= ctx.bucket_peak_slack * base_peak]
     best = min(ok, key=lambda i: (rows[i][1], i))
     rows[best][3] = True
-    # the chosen size finished again, the in-flight cap now swept too (one sweep, not one per size)
-    chosen = copy.copy(prog)
-    chosen.gm = copy.deepcopy(prog.gm)
-    chosen = _finish(chosen, ctx, mode, rows[best][0], ref_peak=base_peak)
+    chosen = progs[best]
+    if ctx.cap_sweep and _sweeps(ctx):
+        # the chosen size finished again, the in-flight cap now swept too (one sweep, not one per size)
+        chosen = copy.copy(prog)
+        chosen.gm = copy.deepcopy(prog.gm)
+        chosen = _finish(chosen, ctx, mode, rows[best][0], ref_peak=base_peak)
     chosen.bucket_choice = [tuple(r) for r in rows]
     return chosen
 

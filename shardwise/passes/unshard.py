@@ -90,13 +90,11 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
     # Every plan tried is a full rewrite and a simulation, seconds on an 8B graph: log2 of them rather
     # than one per parameter given back.
     best, fits, best_peak = base, 0, peak  # the empty prefix is the base plan, which fits
-    used = base_ctx
     if keep:
         prog = build(dataclasses.replace(base_ctx, keep_gathered=frozenset(keep)))
         _, p = ctx.estimate(prog.gm)
         if p <= budget:
             best, fits, best_peak = prog, len(keep), p
-            used = dataclasses.replace(base_ctx, keep_gathered=frozenset(keep))
         else:
             lo, hi = 0, len(keep) - 1  # the prefix of lo fits; none longer than hi does
             while lo < hi:
@@ -105,11 +103,10 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
                 _, p = ctx.estimate(prog.gm)
                 if p <= budget:
                     best, lo, best_peak = prog, k, p
-                    used = dataclasses.replace(base_ctx, keep_gathered=frozenset(keep[:k]))
                 else:
                     hi = k - 1
             fits = lo
     prog = best
     prog.unsharded = sorted(keep[:fits])
     prog.predicted_graph_peak = best_peak
-    return used, prog
+    return dataclasses.replace(base_ctx, keep_gathered=frozenset(keep[:fits])), prog
