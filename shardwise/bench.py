@@ -377,6 +377,17 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
             torch.cuda.empty_cache()
         pred = job.predict_step(batches[0])
         row["pred_step_s"] = pred["step_s"]
+        # what the cost model chose for the step's program: in-flight cap (and the caps it weighed), buckets
+        prog = job._compiled(batches[0], "step")[0]
+        if prog.schedule:
+            row["schedule"] = {"max_in_flight_mb": prog.schedule["max_in_flight"] / 2**20,
+                               "max_ops": prog.schedule.get("max_ops"),
+                               "cap_choice": prog.schedule.get("cap_choice"),
+                               "bucket_choice": prog.bucket_choice}
+            if rank == 0:
+                print(f"{system}: in-flight cap {row['schedule']['max_in_flight_mb']:.1f} MiB"
+                      + (f"; caps weighed: {prog.schedule['cap_choice']}" if prog.schedule.get("cap_choice") else ""),
+                      flush=True)
         # the plan the timed steps run (offload: with the state the warm-up found room for)
         mem = job.predict_memory(batches[0])
         row["pred_peak_mem_gb"] = mem["peak"] / 1e9

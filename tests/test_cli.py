@@ -140,6 +140,10 @@ def test_bench_writes_json_and_plot(tmp_path):
         assert rows[s]["pred_step_s"] > 0 and rows[s]["pred_peak_mem_gb"] > 0 and rows[s]["peak_mem_gb"] > 0
         assert rows[s]["exposed_comm_pct"] is not None
     assert rows["ddp"]["pred_step_s"] is None  # predictions are shardwise's own
+    # the scheduled program's in-flight cap is recorded (gloo: one collective at a time, no cap sweep)
+    sched = rows["shardwise"]["schedule"]
+    assert sched["max_in_flight_mb"] > 0 and sched["max_ops"] == 1 and sched["cap_choice"] is None, sched
+    assert "schedule" not in rows["shardwise-noopt:bucket_mb=0+fused=1"] and "schedule" not in rows["ddp"]
     # each warm-up step is timed and printed as it ends
     assert all(len(r["warmup_step_s"]) >= 1 and min(r["warmup_step_s"]) > 0 for r in rows.values())
     assert "ddp: warm-up step 1/1" in out
