@@ -96,8 +96,9 @@ def compile(
     than 10%; 0: one collective per parameter; None: twice the largest parameter). ``link_profile`` is a preset name,
     a JSON file from ``shardwise calibrate`` or a ``LinkProfile``, for ``explain``. ``schedule``
     (on by default) reorders collectives for latency hiding (passes/schedule.py) under a cap of
-    ``max_in_flight_mb`` (default: of 2, 4, 8 and 16 times the largest collective, the one the cost
-    model predicts fastest within 10% of the peak the bucket choice started from, and under a
+    ``max_in_flight_mb`` (default: of 2, 4, 8 and 16 times the largest collective, the smallest the
+    cost model predicts within 2% of the fastest, within 10% of the peak the bucket choice started
+    from, and under a
     memory budget within the budget; with one collective at a time, twice the largest) and
     ``max_in_flight_ops`` collectives started and not yet waited for (default: no cap; on gloo
     always one).

@@ -10,7 +10,7 @@ import torch
 
 from test_graph import captured, sw_nodes
 from shardwise.costmodel import DEVICES, PRESETS, LinkProfile, bus_factor, fit, flops, node_time, simulate
-from shardwise.passes import CAP_FACTORS, ShardContext, shard_step
+from shardwise.passes import CAP_FACTORS, CAP_TIE, ShardContext, shard_step
 from shardwise.passes import schedule as sched
 
 
@@ -146,7 +146,10 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
     largest = max(sched._payload(s) for s in sw_nodes(prog.gm))
     assert [r[0] for r in rows] == [k * largest for k in CAP_FACTORS] and sum(r[3] for r in rows) == 1
     chosen = next(r for r in rows if r[3])
-    assert chosen[0] > rows[0][0] and chosen[1] < rows[0][1] and chosen[1] == min(r[1] for r in rows)
+    # the smallest cap predicted within CAP_TIE of the fastest
+    fastest = min(r[1] for r in rows)
+    assert chosen[0] > rows[0][0] and chosen[1] < rows[0][1] and chosen[1] <= fastest * (1 + CAP_TIE)
+    assert all(r[1] > fastest * (1 + CAP_TIE) for r in rows if r[0] < chosen[0])
     assert prog.schedule["max_in_flight"] == chosen[0]
     two = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, max_in_flight=rows[0][0]))
     assert sum(prog.schedule["prefetched"].values()) > sum(two.schedule["prefetched"].values())
@@ -164,6 +167,11 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
                                                  estimate=lambda gm: (1.0 - 1e-12 * liveness(gm).peak,
                                                                       liveness(gm).peak)))
     assert flat.schedule["cap_choice"][0][3] and flat.gm.code == two.gm.code
+    # a predicted gain below CAP_TIE (1% per doubling, as measured runs showed to be noise) keeps the smallest
+    small = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, bucket_peak_slack=100.0,
+                                                  estimate=lambda gm: (1.0 - 0.01 * (gm.code != two.gm.code),
+                                                                       liveness(gm).peak)))
+    assert small.schedule["cap_choice"][0][3] and small.gm.code == two.gm.code
     # with auto buckets (the default): buckets chosen, then the cap swept once, the same every time
     auto = [shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, shard_bucket_bytes="auto",
                                                   bucket_peak_slack=100.0)) for _ in range(2)]

@@ -86,8 +86,11 @@ def _after_schedule(prog: Program, ctx: ShardContext) -> Program:
 CAP_FACTORS = (2, 4, 8, 16)
 """In-flight caps the scheduler tries, in multiples of the largest collective's payload."""
 
-CAP_TIE = 1e-3
-"""Caps predicted within this fraction of the fastest count as fast as it (the smallest is taken)."""
+CAP_TIE = 0.02
+"""Caps predicted within this fraction of the fastest count as fast as it (the smallest is taken).
+Measured on two H200s (bench/results/2026-11-30-h200x2-sitting6-summary.md): larger caps predicted
+0.7% (Llama 8B) and 1.1% (Mixtral-shape MoE) faster ran 0.5-0.7% slower, and the machine-to-machine
+spread of one configuration is about 1.5%; a gain the model cannot resolve is not worth the memory."""
 
 
 def _sweeps(ctx: ShardContext) -> bool:
@@ -178,4 +181,4 @@ def _rewrite(cap: Capture, gm, strategy: str, ctx: ShardContext, mode: str) -> P
     return prog
 
 
-__all__ = ["CAP_FACTORS", "MODES", "Program", "STRATEGIES", "ShardContext", "shard_step"]
+__all__ = ["CAP_FACTORS", "CAP_TIE", "MODES", "Program", "STRATEGIES", "ShardContext", "shard_step"]
