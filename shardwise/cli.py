@@ -119,7 +119,7 @@ def _memory_kw(args) -> dict:
             "recompute": args.recompute, "offload_activations": args.offload_activations,
             "offload_host_update": args.host_update,
             "fused_optimizer": False if args.no_fused_optimizer else None,
-            "overlap_update": args.overlap_update}
+            "overlap_update": args.overlap_update, "matmul_sm_carveout": args.matmul_sm_carveout}
 
 
 def _host_share(v: str):
@@ -184,6 +184,9 @@ def _optimizer_args(p) -> None:
     p.add_argument("--overlap-update", action="store_true",
                    help="zero3: update in chunks in forward order, on CUDA on a stream of its own, the next "
                         "step's forward starting while later chunks update")
+    p.add_argument("--matmul-sm-carveout", type=int, default=None, metavar="SMS",
+                   help="CUDA, experimental: matrix products running beside a collective leave SMS SMs free "
+                        "for its kernels (e.g. 24)")
 
 
 def _bench_parser(sub) -> None:

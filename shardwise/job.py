@@ -82,6 +82,7 @@ def compile(
     offload_activations: bool = False,
     fused_optimizer: bool | None = None,
     overlap_update: bool = False,
+    matmul_sm_carveout: int | None = None,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -137,6 +138,12 @@ def compile(
     ``torch.use_deterministic_algorithms(True)`` the overlapped steps match the plain ones bit for bit.
     The optimizer's ``step`` then runs once per chunk (step hooks fire each time), and the predicted
     peak does not count the gradients the update holds into the next step's forward.
+    ``matmul_sm_carveout`` (CUDA; experimental, off by default) makes the matrix products that run
+    while a collective is in flight leave that many SMs free, so the collective's kernels run beside
+    them rather than after them (passes/carveout.py; cuBLASLt's SM-count target, through torch's
+    experimental carveout). For jobs whose gathers outlast the compute between them (an MoE's
+    experts): there a product that takes every SM holds the next gather back. Each carved product is
+    predicted slower by the SMs it gives up. On CPU the program carries the calls and they do nothing.
 
     Example::
 
@@ -172,6 +179,7 @@ def compile(
         raise ValueError(f"max_in_flight_mb must be positive or None, got {max_in_flight_mb!r}")
     if mesh is None:
         mesh = make_mesh()
+    sm_carveout = _sm_carveout(matmul_sm_carveout, mesh.device)
     if offload_optimizer not in (False, True, "all"):
         raise ValueError(f"offload_optimizer must be False, True (keep what fits on the device) or 'all', "
                          f"got {offload_optimizer!r}")
@@ -209,7 +217,26 @@ def compile(
         job.ctx = dataclasses.replace(job.ctx, recompute=True)
     if offload_activations:
         job.ctx = dataclasses.replace(job.ctx, offload_activations=True)
+    if sm_carveout:
+        job.ctx = dataclasses.replace(job.ctx, sm_carveout=sm_carveout)
     return job
+
+
+def _sm_carveout(sms, device: torch.device) -> tuple[int, float] | None:
+    """``matmul_sm_carveout`` checked: (SMs left free, share of the SMs a carved product keeps)."""
+    if sms is None:
+        return None
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+        raise ValueError(f"matmul_sm_carveout must be a positive number of SMs (e.g. 16 or 24, what NCCL's "
+                         f"kernels take) or None, got {sms!r}")
+    if device.type != "cuda":
+        return sms, 1.0  # the calls are inert off CUDA: nothing is slower
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    if sms >= total:
+        raise ValueError(f"matmul_sm_carveout={sms} leaves no SM to the products: this device has {total}; "
+                         f"pass fewer (NCCL's kernels take 16-32)")
+    return sms, (total - sms) / total
 
 
 def _budget_bytes(budget, device: torch.device) -> int | None:
@@ -1011,6 +1038,10 @@ class Job:
                              f"largest (MiB): {big}")
             if prog.recomputed:
                 lines.append(f"  recomputed in backward ({len(prog.recomputed)}): {', '.join(prog.recomputed)[:300]}")
+            if prog.carved:
+                sms, share = self.ctx.sm_carveout
+                lines.append(f"  matrix products beside a collective, leaving {sms} SMs free to it: {prog.carved} "
+                             + (f"(predicted at {share:.0%} of the SMs)" if share < 1 else "(inert off CUDA)"))
             if prog.offloaded:
                 lines.append(f"  activations kept in host memory, fetched back early in the backward "
                              f"({len(prog.offloaded)}): {', '.join(prog.offloaded)[:300]}")

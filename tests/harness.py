@@ -91,6 +91,7 @@ def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = ()
         losses.append(float(job.step(mbs if micro > 1 else mbs[0])))
     sd = job.full_state_dict()
     counts = job.programs()[0].counts()
+    counts["carved"] = job.programs()[0].carved
     return losses, sd, counts
 
 
@@ -218,8 +219,8 @@ def check(pools, name, strategy, dtype, ws, steps, over=(), compile=None, loss_t
     """Train on ``ws`` pool ranks and hold losses and final weights to the single-device reference."""
     ref_losses, ref_sd = reference(name, dtype, ws, steps, over, micro, ref_device)
     pool = pools(ws, backend)
-    losses, sd, _ = pool.run(train_run, name, strategy, dtype, steps, over, compile, micro, seed, device,
-                             shard_bucket_mb, schedule, **compile_kw)[0]
+    losses, sd, counts = pool.run(train_run, name, strategy, dtype, steps, over, compile, micro, seed, device,
+                                  shard_bucket_mb, schedule, **compile_kw)[0]
     assert set(sd) == set(ref_sd)
     dl = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     dp = rel_param_err(sd, ref_sd)
@@ -228,6 +229,7 @@ def check(pools, name, strategy, dtype, ws, steps, over=(), compile=None, loss_t
     # the run actually trained: parameters moved away from their initial values
     init = make_model(name, dtype, **dict(over)).state_dict()
     assert rel_param_err(sd, init) > 1e-3
+    check.counts = counts  # rank 0's program: its collectives (and carved products) for the caller
     return sd, ref_sd
 
 

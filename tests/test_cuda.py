@@ -226,3 +226,30 @@ def _bf16_llama_steps(executor, optimizer, steps=4, **kw):
     job = _bf16_llama_job(executor, optimizer, **kw)
     losses = [float(job.step(tuple(t.cuda() for t in make_batch("llama", s, 0)))) for s in range(steps)]
     return job, losses, job.full_state_dict()
+
+
+@needs_cuda
+def test_cuda_carved_products_match_and_put_the_settings_back():
+    # a carved product runs through cuBLASLt with SMs left free: the same product to bf16 rounding,
+    # and the carveout and the preferred BLAS library are as they were after it returns
+    from shardwise.runtime.carveout import CARVED
+
+    aten = torch.ops.aten
+    a = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4, 512, 128, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    before = (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())
+    tol = dict(rtol=2e-2, atol=2e-1)
+    torch.testing.assert_close(CARVED[aten.bmm.default](a, b, 16), torch.bmm(a, b), **tol)
+    torch.testing.assert_close(CARVED[aten.mm.default](a[0], b[0], 16), a[0] @ b[0], **tol)
+    torch.testing.assert_close(CARVED[aten.addmm.default](bias, a[0], b[0], 16), torch.addmm(bias, a[0], b[0]), **tol)
+    assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("name", ["llama", "moe"])
+def test_cuda_parity_nccl_ws2_sm_carveout(pools, name):
+    # products beside NCCL collectives run with 16 SMs left free: training matches single-device
+    check(pools, name, "zero3", "fp64", 2, steps=3, device="cuda", backend="nccl", matmul_sm_carveout=16,
+          loss_tol=1e-10, param_tol=1e-10)
+    assert check.counts["carved"] > 0

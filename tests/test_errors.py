@@ -160,3 +160,9 @@ def test_plans_that_differ_across_ranks_stop_every_rank(pools):
         got = dict(re.findall(r"ranks \[(\d)\]: capture (\w+) plan", val[1]))
         plans = dict(re.findall(r"ranks \[(\d)\]: capture \w+ plan (\w+)", val[1]))
         assert got["0"] == got["1"] and plans["0"] != plans["1"], val[1]  # same capture, different plan
+
+
+def test_bad_matmul_sm_carveout():
+    for bad in (0, -4, True, 2.5, "24"):
+        with pytest.raises(ValueError, match="matmul_sm_carveout must be a positive number of SMs"):
+            job_for(harness.make_model("gpt", "fp32"), matmul_sm_carveout=bad)

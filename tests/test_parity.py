@@ -63,3 +63,20 @@ def test_parity_bucketed(pools, strategy, name, ws, micro):
 def test_parity_unscheduled(pools, strategy):
     # the scheduler is on everywhere else in this file; off, each collective is waited for at once
     check(pools, "llama", strategy, "fp64", 2, steps=3, schedule=False, loss_tol=1e-10, param_tol=1e-10)
+
+
+def test_parity_sm_carveout(pools):
+    # products beside a collective run as their carved twins (passes/carveout.py): the same products
+    # (on CPU the carveout itself does not apply; tests/test_cuda.py holds it to parity on GPUs)
+    check(pools, "moe", "zero3", "fp64", 2, steps=3, matmul_sm_carveout=16, loss_tol=1e-10, param_tol=1e-10)
+    assert check.counts["carved"] > 0
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch<2.13 inductor allocates the CPU flash-attention backward's logsumexp in fp32 for fp64 inputs",
+)
+def test_parity_sm_carveout_inductor(pools):
+    check(pools, "gpt", "ddp", "fp64", 2, steps=3, compile="inductor", matmul_sm_carveout=16, bucket_mb=1e-6,
+          loss_tol=1e-10, param_tol=1e-10)
+    assert check.counts["carved"] > 0

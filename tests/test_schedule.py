@@ -145,3 +145,71 @@ def test_inductor_keeps_the_scheduled_order():
                                   "\n".join(ln for ln in code.splitlines() if not ln.strip().startswith("#")))]
     first_wait = calls.index("W")
     assert calls[:first_wait].count("AG") == len(sw_nodes(prog.gm, "all_gather")), calls[:40]
+
+
+def _carved(strategy):
+    _, cap = captured("moe")
+    # ddp: one all-reduce per gradient, started as the backward produces it
+    prog = shard_step(cap, strategy, ShardContext(2, "g", schedule=True, bucket_bytes=1, sm_carveout=(24, 0.8)))
+    plain = shard_step(cap, strategy, ShardContext(2, "g", schedule=True, bucket_bytes=1))
+    return prog, plain
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_products_beside_a_collective_leave_sms_free(strategy):
+    # the graph change: each matrix product placed while a collective is started and not yet waited
+    # for becomes its carved twin (same arguments, then 24 SMs to leave free); products with nothing
+    # in flight (ddp's forward) are left alone; the collective schedule is untouched
+    from shardwise.passes import _emit
+    from shardwise.runtime.carveout import CARVED
+
+    prog, plain = _carved(strategy)
+    twins = {m.name: m for m in plain.gm.graph.nodes}
+    nodes = list(prog.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    # each collective is in flight from its start to its wait
+    spans = [(pos[n], min(pos[u] for u in n.users if u.target is WAIT)) for n in nodes
+             if n.op == "call_function" and n.target in _emit.COLLECTIVE_TARGETS]
+    carved = kept = 0
+    for n in nodes:
+        beside = any(a < pos[n] < b for a, b in spans)
+        if n.target in CARVED.values():
+            assert beside, n
+            t = twins[n.name]
+            names = lambda args: [getattr(a, "name", a) for a in args]
+            assert CARVED[t.target] is n.target and names(n.args) == [*names(t.args), 24]
+            assert n.meta["sm_share"] == 0.8
+            carved += 1
+        elif n.target in CARVED:
+            assert not beside, n  # a product beside a collective was missed
+            kept += 1
+    assert carved == prog.carved > 0
+    # zero3 prefetches a gather beside every product; ddp's forward has nothing in flight
+    assert (kept > 0) == (strategy == "ddp")
+    assert [n.name for n in prog.gm.graph.nodes] == [n.name for n in plain.gm.graph.nodes]
+    assert prog.counts() == plain.counts()
+    # the roofline predicts each carved product at its share of the SMs: slower by 1 / 0.8
+    from shardwise.costmodel.compute import Device, flops, node_time
+
+    dev = Device(name="test", flops=1e12, bandwidth=1e18)
+    for n in prog.gm.graph.nodes:
+        if n.meta.get("sm_share"):
+            t = twins[n.name]
+            assert flops(n) == flops(t) > 0
+            assert node_time(n, dev) == pytest.approx(node_time(t, dev) / 0.8)
+
+
+def test_carved_products_compute_the_products_under_inductor_too():
+    # the carved twins are ordinary ops: eager and inductor-compiled, they give the product (on CPU
+    # the carveout does not apply; on CUDA tests/test_cuda.py runs them)
+    import torch
+
+    from shardwise.runtime.carveout import CARVED
+
+    a, b, c, bias = torch.randn(8, 16), torch.randn(16, 4), torch.randn(3, 8, 16), torch.randn(4)
+    aten = torch.ops.aten
+    assert torch.equal(CARVED[aten.mm.default](a, b, 16), a @ b)
+    assert torch.equal(CARVED[aten.bmm.default](c, c.transpose(1, 2), 16), torch.bmm(c, c.transpose(1, 2)))
+    assert torch.equal(CARVED[aten.addmm.default](bias, a, b, 16), torch.addmm(bias, a, b))
+    f = torch.compile(lambda x, y: CARVED[aten.mm.default](x, y, 8).relu(), backend="inductor", fullgraph=True)
+    torch.testing.assert_close(f(a, b), (a @ b).relu())

@@ -46,7 +46,7 @@ def _bytes(v) -> int:
 
 def flops(node: fx.Node) -> float:
     """Floating-point operations of one ATen node (matrix products and attention; 0 elsewhere)."""
-    t = node.target
+    t = node.meta.get("sw_product", node.target)  # a carved product counts as the product it runs
     ins = [a.meta.get("val") for a in node.args if isinstance(a, fx.Node)]
     out = node.meta.get("val")
     if t in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default):
@@ -70,4 +70,5 @@ def node_time(node: fx.Node, device: Device) -> float:
     moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     if any(v in name for v in ("view", "alias", "t.default", "transpose", "permute", "expand", "slice", "getitem")):
         moved = 0  # views move no data
-    return max(flops(node) / device.flops, moved / device.bandwidth)
+    # a product beside a collective may use only its share of the SMs (passes/carveout.py)
+    return max(flops(node) / device.flops, moved / device.bandwidth) / node.meta.get("sm_share", 1.0)

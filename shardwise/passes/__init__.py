@@ -6,7 +6,7 @@ import copy
 import dataclasses
 
 from ..capture import Capture
-from . import _emit, accumulate, actoffload, bucket, ddp, ready, recompute, schedule, unshard, zero
+from . import _emit, accumulate, actoffload, bucket, carveout, ddp, ready, recompute, schedule, unshard, zero
 from .program import Program, ShardContext
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -72,7 +72,8 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap
 
 
 def _after_schedule(prog: Program, ctx: ShardContext) -> Program:
-    """Activation offload and readiness waits: the rewrites that follow the schedule."""
+    """Activation offload, readiness waits and the products' SM carveout: the rewrites that follow
+    the schedule."""
     if ctx.offload_activations:
         names = ctx.offload_activations if ctx.offload_activations is not True \
             else {n.name for n, _ in actoffload.candidates(prog.gm)}
@@ -80,6 +81,8 @@ def _after_schedule(prog: Program, ctx: ShardContext) -> Program:
                                           ctx.fetch_time or (lambda b: 0.0))
     if ctx.param_ready:
         ready.insert(prog, ctx.param_ready)
+    if ctx.sm_carveout:
+        prog.carved = carveout.apply(prog.gm, *ctx.sm_carveout)
     return prog
 
 
