@@ -138,12 +138,14 @@ def compile(
     ``torch.use_deterministic_algorithms(True)`` the overlapped steps match the plain ones bit for bit.
     The optimizer's ``step`` then runs once per chunk (step hooks fire each time), and the predicted
     peak does not count the gradients the update holds into the next step's forward.
-    ``matmul_sm_carveout`` (CUDA; experimental, off by default) makes the matrix products that run
-    while a collective is in flight leave that many SMs free, so the collective's kernels run beside
-    them rather than after them (passes/carveout.py; cuBLASLt's SM-count target, through torch's
-    experimental carveout). For jobs whose gathers outlast the compute between them (an MoE's
-    experts): there a product that takes every SM holds the next gather back. Each carved product is
-    predicted slower by the SMs it gives up. On CPU the program carries the calls and they do nothing.
+    ``matmul_sm_carveout`` (CUDA; experimental, off by default) makes the matrix products the cost
+    model predicts to run beside a collective (and to take at least 20 µs) leave that many SMs free,
+    so the collective's kernels run beside them rather than after them (passes/carveout.py;
+    cuBLASLt's SM-count target, through torch's experimental carveout). For jobs whose gathers
+    outlast the compute between them (an MoE's experts): there a product that takes every SM holds
+    the next gather back. Each carved product is predicted slower by the SMs it gives up; the
+    simulation has no notion of the SM contention it removes, so the prediction only counts its
+    cost. On CPU every product beside a collective is carved, and the carveout does nothing.
 
     Example::
 
@@ -222,21 +224,29 @@ def compile(
     return job
 
 
-def _sm_carveout(sms, device: torch.device) -> tuple[int, float] | None:
-    """``matmul_sm_carveout`` checked: (SMs left free, share of the SMs a carved product keeps)."""
+CARVE_MIN_S = 20e-6
+"""Products predicted shorter than this keep every SM (a carved call costs ~10 µs on the host)."""
+
+
+def _sm_carveout(sms, device: torch.device) -> tuple[int, float, float] | None:
+    """``matmul_sm_carveout`` checked: (SMs left free, share of the SMs a carved product keeps,
+    shortest product carved)."""
     if sms is None:
         return None
     if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
         raise ValueError(f"matmul_sm_carveout must be a positive number of SMs (e.g. 16 or 24, what NCCL's "
                          f"kernels take) or None, got {sms!r}")
     if device.type != "cuda":
-        return sms, 1.0  # the calls are inert off CUDA: nothing is slower
+        return sms, 1.0, 0.0  # inert off CUDA: nothing is slower, and every product shows the pass at work
+    if not (hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch.backends.cuda, "preferred_blas_library")):
+        raise ValueError(f"matmul_sm_carveout needs torch's experimental SM carveout and cuBLASLt, which torch "
+                         f"{torch.__version__} does not have: leave it at None")
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).multi_processor_count
     if sms >= total:
         raise ValueError(f"matmul_sm_carveout={sms} leaves no SM to the products: this device has {total}; "
                          f"pass fewer (NCCL's kernels take 16-32)")
-    return sms, (total - sms) / total
+    return sms, (total - sms) / total, CARVE_MIN_S
 
 
 def _budget_bytes(budget, device: torch.device) -> int | None:
@@ -294,6 +304,7 @@ class Job:
             shard_bucket_bytes=shard_bucket_mb if shard_bucket_mb in (None, "auto") else int(shard_bucket_mb * 2**20),
             estimate=self._estimate,
             node_time=self._node_time,
+            comm_time=self._comm_time,
             fetch_time=lambda nbytes: nbytes / self.host_link().h2d,
             schedule=schedule,
             max_in_flight=None if max_in_flight_mb is None else int(max_in_flight_mb * 2**20),
@@ -826,9 +837,9 @@ class Job:
         else the roofline; collectives from the α-β link profile."""
         from .costmodel import node_time, simulate
 
-        lp, dev = self.cost_inputs()
+        dev = self.cost_inputs()[1]
         compute = (lambda n: measured.get(n.name, 0.0)) if measured is not None else (lambda n: node_time(n, dev))
-        tl = simulate(gm, compute, lambda n: lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws))
+        tl = simulate(gm, compute, self._comm_time)
         return tl, "measured" if measured is not None else "roofline"
 
     def _node_time(self, n) -> float:
@@ -836,6 +847,10 @@ class Job:
         from .costmodel import node_time
 
         return node_time(n, self.cost_inputs()[1])
+
+    def _comm_time(self, n) -> float:
+        """The α-β time of one collective start node on this job's link profile."""
+        return self.cost_inputs()[0].time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], self.ws)
 
     def _estimate(self, gm) -> tuple[float, int]:
         """The cost model on a finished program (roofline compute, α-β collectives, liveness)."""
@@ -1039,7 +1054,7 @@ class Job:
             if prog.recomputed:
                 lines.append(f"  recomputed in backward ({len(prog.recomputed)}): {', '.join(prog.recomputed)[:300]}")
             if prog.carved:
-                sms, share = self.ctx.sm_carveout
+                sms, share, _ = self.ctx.sm_carveout
                 lines.append(f"  matrix products beside a collective, leaving {sms} SMs free to it: {prog.carved} "
                              + (f"(predicted at {share:.0%} of the SMs)" if share < 1 else "(inert off CUDA)"))
             if prog.offloaded:

@@ -244,6 +244,19 @@ def test_cuda_carved_products_match_and_put_the_settings_back():
     torch.testing.assert_close(CARVED[aten.mm.default](a[0], b[0], 16), a[0] @ b[0], **tol)
     torch.testing.assert_close(CARVED[aten.addmm.default](bias, a[0], b[0], 16), torch.addmm(bias, a[0], b[0]), **tol)
     assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == before
+    # settings other than the defaults are put back too, also when the product raises
+    torch._C._set_sm_carveout_experimental(8)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    other = (8, torch.backends.cuda.preferred_blas_library())
+    try:
+        CARVED[aten.mm.default](a[0], b[0], 16)
+        assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == other
+        with pytest.raises(RuntimeError):
+            CARVED[aten.mm.default](a[0], b[0][:5], 16)  # shapes that do not multiply
+        assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == other
+    finally:
+        torch._C._set_sm_carveout_experimental(before[0])
+        torch.backends.cuda.preferred_blas_library(before[1])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -147,45 +147,53 @@ def test_inductor_keeps_the_scheduled_order():
     assert calls[:first_wait].count("AG") == len(sw_nodes(prog.gm, "all_gather")), calls[:40]
 
 
-def _carved(strategy):
+def _carved(strategy, min_s=0.0):
+    """(carved program, plain program, the plain one's simulated timeline) of the tiny MoE under a
+    stand-in cost model: every product 1 s, everything else free, every collective 0.5 s."""
+    from shardwise.costmodel import simulate
+    from shardwise.runtime.carveout import CARVED
+
+    def compute(n):
+        return 1.0 if n.target in CARVED or n.target in CARVED.values() else 0.0
+
+    def comm(n):
+        return 0.5
+
     _, cap = captured("moe")
     # ddp: one all-reduce per gradient, started as the backward produces it
-    prog = shard_step(cap, strategy, ShardContext(2, "g", schedule=True, bucket_bytes=1, sm_carveout=(24, 0.8)))
-    plain = shard_step(cap, strategy, ShardContext(2, "g", schedule=True, bucket_bytes=1))
-    return prog, plain
+    kw = dict(schedule=True, bucket_bytes=1, node_time=compute, comm_time=comm)
+    prog = shard_step(cap, strategy, ShardContext(2, "g", sm_carveout=(24, 0.8, min_s), **kw))
+    plain = shard_step(cap, strategy, ShardContext(2, "g", **kw))
+    return prog, plain, simulate(plain.gm, compute, comm)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_products_beside_a_collective_leave_sms_free(strategy):
-    # the graph change: each matrix product placed while a collective is started and not yet waited
-    # for becomes its carved twin (same arguments, then 24 SMs to leave free); products with nothing
-    # in flight (ddp's forward) are left alone; the collective schedule is untouched
-    from shardwise.passes import _emit
+    # the graph change: each matrix product the cost model predicts to overlap a collective on the
+    # link becomes its carved twin (same arguments, then 24 SMs to leave free); a product with the
+    # link idle beside it (ddp's forward, a zero3 product whose gather already ended) is left alone;
+    # the collective schedule is untouched
     from shardwise.runtime.carveout import CARVED
 
-    prog, plain = _carved(strategy)
+    prog, plain, tl = _carved(strategy)
     twins = {m.name: m for m in plain.gm.graph.nodes}
-    nodes = list(prog.gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    # each collective is in flight from its start to its wait
-    spans = [(pos[n], min(pos[u] for u in n.users if u.target is WAIT)) for n in nodes
-             if n.op == "call_function" and n.target in _emit.COLLECTIVE_TARGETS]
+    comm = [(s, e) for lane, _, s, e in tl.events if lane == "comm"]
+    runs = {name: (s, e) for lane, name, s, e in tl.events if lane == "compute"}
     carved = kept = 0
-    for n in nodes:
-        beside = any(a < pos[n] < b for a, b in spans)
+    for n in prog.gm.graph.nodes:
         if n.target in CARVED.values():
-            assert beside, n
+            s, e = runs[n.name]
+            assert any(cs < e and s < ce for cs, ce in comm), n
             t = twins[n.name]
             names = lambda args: [getattr(a, "name", a) for a in args]
             assert CARVED[t.target] is n.target and names(n.args) == [*names(t.args), 24]
             assert n.meta["sm_share"] == 0.8
             carved += 1
         elif n.target in CARVED:
-            assert not beside, n  # a product beside a collective was missed
+            s, e = runs[n.name]
+            assert not any(cs < e and s < ce for cs, ce in comm), n  # a product beside a collective was missed
             kept += 1
-    assert carved == prog.carved > 0
-    # zero3 prefetches a gather beside every product; ddp's forward has nothing in flight
-    assert (kept > 0) == (strategy == "ddp")
+    assert carved == prog.carved > 0 and kept > 0
     assert [n.name for n in prog.gm.graph.nodes] == [n.name for n in plain.gm.graph.nodes]
     assert prog.counts() == plain.counts()
     # the roofline predicts each carved product at its share of the SMs: slower by 1 / 0.8
@@ -197,6 +205,8 @@ def test_products_beside_a_collective_leave_sms_free(strategy):
             t = twins[n.name]
             assert flops(n) == flops(t) > 0
             assert node_time(n, dev) == pytest.approx(node_time(t, dev) / 0.8)
+    # products predicted shorter than the threshold keep every SM
+    assert _carved(strategy, min_s=1.5)[0].carved == 0
 
 
 def test_carved_products_compute_the_products_under_inductor_too():

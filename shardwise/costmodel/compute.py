@@ -70,5 +70,6 @@ def node_time(node: fx.Node, device: Device) -> float:
     moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     if any(v in name for v in ("view", "alias", "t.default", "transpose", "permute", "expand", "slice", "getitem")):
         moved = 0  # views move no data
-    # a product beside a collective may use only its share of the SMs (passes/carveout.py)
-    return max(flops(node) / device.flops, moved / device.bandwidth) / node.meta.get("sm_share", 1.0)
+    # a product beside a collective may use only its share of the SMs (passes/carveout.py): its
+    # compute-bound time stretches, its memory-bound time does not
+    return max(flops(node) / device.flops / node.meta.get("sm_share", 1.0), moved / device.bandwidth)

@@ -82,7 +82,10 @@ def _after_schedule(prog: Program, ctx: ShardContext) -> Program:
     if ctx.param_ready:
         ready.insert(prog, ctx.param_ready)
     if ctx.sm_carveout:
-        prog.carved = carveout.apply(prog.gm, *ctx.sm_carveout)
+        sms, share, min_s = ctx.sm_carveout
+        if ctx.node_time is None or ctx.comm_time is None:
+            raise ValueError("ShardContext.sm_carveout needs node_time and comm_time (the cost model)")
+        prog.carved = carveout.apply(prog.gm, sms, share, ctx.node_time, ctx.comm_time, min_s)
     return prog
 
 

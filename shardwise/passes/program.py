@@ -76,9 +76,12 @@ class ShardContext:
     search turns it off while it compares plans and sweeps the plan it keeps."""
     peak_limit: int | None = None
     """An in-flight cap whose predicted graph peak is above this is not chosen (the budget's)."""
-    sm_carveout: tuple[int, float] | None = None
-    """(SMs, share): matrix products that run while a collective is in flight leave this many SMs
-    free for it and get this share of the device's SMs (passes/carveout.py); None: every SM."""
+    sm_carveout: tuple[int, float, float] | None = None
+    """(SMs, share, seconds): matrix products predicted to take at least these seconds beside a
+    collective leave this many SMs free for it and get this share of the device's SMs
+    (passes/carveout.py); None: every SM."""
+    comm_time: Callable[[fx.Node], float] | None = None
+    """Predicted seconds of one collective start node (the α-β link profile)."""
     max_ops_in_flight: int | None = None
     """Cap on the number of collectives in flight; None: no cap. gloo needs 1: with two all-gathers
     of one gloo process group in flight, a rank sometimes waits forever for data its peers already
@@ -108,9 +111,9 @@ class Program:
     unsharded: list | None = None
     """Under a memory budget (zero3): the parameters kept gathered from forward to backward."""
     offloaded: list | None = None
+    """Saved activations kept in host memory between forward and backward (passes/actoffload.py)."""
     carved: int = 0
     """Matrix products run beside a collective with SMs left free for it (passes/carveout.py)."""
-    """Saved activations kept in host memory between forward and backward (passes/actoffload.py)."""
     resident_state: list | None = None
     """Under optimizer offload with a budget: parameters whose master and state stay on the device."""
     predicted_graph_peak: int | None = None

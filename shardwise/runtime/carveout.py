@@ -5,9 +5,10 @@ queued behind one gets no SM until it ends, so a gather and the product beside i
 of overlapping (bench/results/2026-11-30-h200x2-sitting6-summary.md, the MoE forward). torch's
 experimental SM carveout makes cuBLASLt size a product for fewer SMs. Each op here runs one product
 with the carveout set, through cuBLASLt (the path that honours it on every torch we support), and
-puts both settings back before it returns. The carveout pass (passes/carveout.py) swaps them in for
-the products that run while a collective is in flight. A product is one extern call under inductor
-too, so the setting cannot leak onto another kernel. On CPU they are the plain products.
+puts both settings back before it returns (also when it raises). The carveout pass
+(passes/carveout.py) swaps them in for the products the cost model predicts to run beside a
+collective. A product is one extern call under inductor too, so the setting cannot leak onto
+another kernel. On CPU they are the plain products.
 """
 
 from __future__ import annotations
@@ -33,19 +34,23 @@ def _carved(x: torch.Tensor, sms: int):
         torch.backends.cuda.preferred_blas_library(blas)
 
 
-@torch.library.custom_op("shardwise::carved_mm", mutates_args=())
+# any input strides are fine for a product: inductor need not copy an input into a fixed layout
+_TAGS = (torch.Tag.flexible_layout,) if hasattr(torch.Tag, "flexible_layout") else ()
+
+
+@torch.library.custom_op("shardwise::carved_mm", mutates_args=(), tags=_TAGS)
 def carved_mm(a: torch.Tensor, b: torch.Tensor, sms: int) -> torch.Tensor:
     with _carved(a, sms):
         return torch.mm(a, b)
 
 
-@torch.library.custom_op("shardwise::carved_bmm", mutates_args=())
+@torch.library.custom_op("shardwise::carved_bmm", mutates_args=(), tags=_TAGS)
 def carved_bmm(a: torch.Tensor, b: torch.Tensor, sms: int) -> torch.Tensor:
     with _carved(a, sms):
         return torch.bmm(a, b)
 
 
-@torch.library.custom_op("shardwise::carved_addmm", mutates_args=())
+@torch.library.custom_op("shardwise::carved_addmm", mutates_args=(), tags=_TAGS)
 def carved_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sms: int) -> torch.Tensor:
     with _carved(a, sms):
         return torch.addmm(bias, a, b)
