@@ -25,6 +25,8 @@ OURS_8B_FUSED = "shardwise bench, bench/results/2026-11-30-h200x2-sitting4-llama
     "two machines of one kind)"
 OURS_MOE = "shardwise bench, bench/results/2026-11-30-h200x2-sitting5-moe8x7b-8l.json (fused AdamW; " \
     "predicted blind in bench/results/2026-11-30-h200x2-sitting3-summary.md)"
+OURS_DC = "shardwise bench, bench/results/2026-11-30-h200x2-sitting6-llama8b-ckpt-dc.json (DeepSpeed 0.19.8's " \
+    "DeepCompile: ZeRO-3 with its prefetch and selective-gather passes, fused Adam; predicted blind)"
 TORCHTITAN = "torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3 (github.com/pytorch/torchtitan): " \
              "H100 SXM 96 GB HBM2e at a 500 W power limit, 400 Gb/s RDMA per GPU, sequence 8192 (its 8B config), " \
              "selective per-op activation checkpointing, bf16, torch of 2024-12-23"
@@ -197,6 +199,9 @@ RUNS: list[Run] = [
           model("llama3-8b"), "h200-nv18-x2:1", Strategy(zero=z, micro_batch=2, global_batch=4, seq=4096, recompute="none"),
           s, OURS_8B_FUSED)
       for who, z, s in (("FSDP2 + torch.compile", 3, 0.7991), ("shardwise zero3 + memory plan", 2, 0.7755))],
+    Run("Llama 3 8B, 2 H200 over NVLink, DeepCompile (ZeRO-3 + its passes, fused Adam), 2x4096 per GPU, "
+        "per-block checkpointing", model("llama3-8b"), "h200-nv18-x2:1",
+        Strategy(zero=3, micro_batch=2, global_batch=4, seq=4096, recompute="block"), 0.9853, OURS_DC),
     # 8 of Mixtral 8x7B's 32 layers with capacity dispatch on the same two GPUs (shardwise's own row
     # is left out: its memory plan kept some of the weights gathered, between the planner's stages)
     Run("Mixtral 8x7B's layer x 8, capacity 1.25, 2 H200 over NVLink, FSDP2 + torch.compile (fused AdamW), "
