@@ -34,23 +34,29 @@ def _carved(x: torch.Tensor, sms: int):
         torch.backends.cuda.preferred_blas_library(blas)
 
 
-# any input strides are fine for a product: inductor need not copy an input into a fixed layout
-_TAGS = (torch.Tag.flexible_layout,) if hasattr(torch.Tag, "flexible_layout") else ()
+def _custom_op(name: str):
+    """A custom op whose inputs may come in any strides (a product takes any): inductor then need
+    not copy an input into a fixed layout for it."""
+    tags = (torch.Tag.flexible_layout,) if hasattr(torch.Tag, "flexible_layout") else ()
+    try:
+        return torch.library.custom_op(name, mutates_args=(), tags=tags)
+    except TypeError:  # a torch whose custom_op takes no tags
+        return torch.library.custom_op(name, mutates_args=())
 
 
-@torch.library.custom_op("shardwise::carved_mm", mutates_args=(), tags=_TAGS)
+@_custom_op("shardwise::carved_mm")
 def carved_mm(a: torch.Tensor, b: torch.Tensor, sms: int) -> torch.Tensor:
     with _carved(a, sms):
         return torch.mm(a, b)
 
 
-@torch.library.custom_op("shardwise::carved_bmm", mutates_args=(), tags=_TAGS)
+@_custom_op("shardwise::carved_bmm")
 def carved_bmm(a: torch.Tensor, b: torch.Tensor, sms: int) -> torch.Tensor:
     with _carved(a, sms):
         return torch.bmm(a, b)
 
 
-@torch.library.custom_op("shardwise::carved_addmm", mutates_args=(), tags=_TAGS)
+@_custom_op("shardwise::carved_addmm")
 def carved_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sms: int) -> torch.Tensor:
     with _carved(a, sms):
         return torch.addmm(bias, a, b)
