@@ -442,6 +442,9 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         if "exposed_by_kind_s" in meas:  # GPUs: which collectives are exposed, and where in the step
             row["exposed_by_kind_ms"] = {k: round(v * 1e3, 3) for k, v in meas["exposed_by_kind_s"].items()}
             row["exposed_top"] = meas["exposed_top"]
+            # all-gathers a running product held back (no SM for NCCL until it ended), and the link's idle time
+            row["gathers_held_back"] = meas["gathers_held_back"]
+            row["gathers_held_back_ms"] = round(meas["gathers_held_back_s"] * 1e3, 3)
     except Exception as e:  # noqa: BLE001
         row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if cfg.memory_sites and device.type == "cuda":

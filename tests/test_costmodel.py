@@ -342,6 +342,22 @@ def test_exposed_communication_by_collective_kind_and_place():
                    {"kind": "reduce_scatter", "at_ms": 9.0, "exposed_ms": 0.4, "kernel_ms": 0.6}]
 
 
+def test_gathers_held_back_by_a_running_product():
+    # µs. The MoE forward's pattern: a gather ends, the product that needed it starts at once and takes
+    # every SM, the next gather (queued long before) starts only as that product ends
+    from shardwise.runtime.profile import gathers_held_back
+
+    comm = [(0, 2000, "all_gather"), (3500, 5500, "all_gather"), (5500, 7500, "all_gather")] * 2
+    comp = [(2010, 3480), (5510, 6990), (7000, 7100)]
+    assert gathers_held_back(comm, comp) == (1, 1500)  # the second; the third ran back to back
+    # not held: the link idle with no product across the gap, a short kernel, a reduce-scatter
+    # (it waits for the gradient a product makes), a gather far from the product's end
+    assert gathers_held_back(comm, [(2500, 3480)]) == (0, 0)
+    assert gathers_held_back(comm, [(2010, 2150), (2150, 3480)]) == (0, 0)
+    assert gathers_held_back([(0, 2000, "reduce_scatter"), (3500, 5500, "reduce_scatter")], comp) == (0, 0)
+    assert gathers_held_back(comm, [(2010, 3000)]) == (0, 0)
+
+
 def test_measured_compute_and_exposed_comm(pools):
     res = pools(2).run(harness.measured_prediction)
     (times0, pred0, meas0), (times1, _, _) = res

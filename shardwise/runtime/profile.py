@@ -142,6 +142,25 @@ def exposed_by_kernel(comm: list[tuple[float, float, str]], comp) -> tuple[dict[
     return by, rows[:5]
 
 
+def gathers_held_back(comm: list[tuple[float, float, str]], comp: list[tuple[float, float]],
+                      min_us: float = 200.0, near_us: float = 80.0) -> tuple[int, float]:
+    """All-gathers (at least ``min_us`` long) that a running compute kernel held back: the link fell
+    idle before the gather, a compute kernel (from ``comp``, one interval per kernel, not merged) began
+    within ``near_us`` of that moment, and the gather began within ``near_us`` of its end. A
+    persistent matrix product takes every SM, so a collective kernel queued while it runs gets none
+    until it ends (bench/results/2026-11-30-h200x2-sitting6-summary.md). A gather's input is a
+    parameter, ready long before, so a gather that starts as an unrelated product ends was waiting
+    for SMs. Returns (how many, the link's idle µs before them)."""
+    n, idle, prev_end = 0, 0.0, None
+    for a, b, kind in sorted(set(comm)):
+        if (prev_end is not None and kind == "all_gather" and b - a >= min_us and a - prev_end > near_us
+                and any(ca <= prev_end + near_us and abs(cb - a) <= near_us and cb - ca >= min_us for ca, cb in comp)):
+            n += 1
+            idle += a - prev_end
+        prev_end = b if prev_end is None else max(prev_end, b)
+    return n, idle
+
+
 def exposed_comm(prof) -> dict[str, Any]:
     """Communication (s) and the part of it not overlapped with compute, from a profiler trace; on GPUs
     also the exposed seconds per collective kind and the five most exposed kernels (where in the step)."""
@@ -152,8 +171,11 @@ def exposed_comm(prof) -> dict[str, Any]:
         comm = _merge([(a, b) for a, b, _ in nccl])
         comp = _merge([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
         by, top = exposed_by_kernel(nccl, comp)
+        held, held_us = gathers_held_back(nccl, [(e.time_range.start, e.time_range.end) for e in kernels
+                                                 if "nccl" not in e.name.lower()])
         return {"comm_s": _length(comm) / 1e6, "exposed_s": _subtract(comm, comp) / 1e6,
-                "exposed_by_kind_s": {k: v / 1e6 for k, v in sorted(by.items())}, "exposed_top": top}
+                "exposed_by_kind_s": {k: v / 1e6 for k, v in sorted(by.items())}, "exposed_top": top,
+                "gathers_held_back": held, "gathers_held_back_s": held_us / 1e6}
     waits = _merge([(e.time_range.start, e.time_range.end) for e in prof.events()
                     if e.name.endswith("wait_tensor") or e.name in ("c10d::wait", "aten::wait")])
     return {"comm_s": None, "exposed_s": _length(waits) / 1e6}
