@@ -818,9 +818,13 @@ class Job:
 
     def cost_inputs(self):
         """(link profile, device) the cost model uses for this job: a calibrated profile if one was
-        given to ``compile(link_profile=...)``, else a preset for the backend."""
+        given to ``compile(link_profile=...)``, else a preset for the backend. Kept until
+        ``link_profile`` changes: the cost model asks once per node."""
         from .costmodel import DEVICES, PRESETS, LinkProfile
 
+        cached = getattr(self, "_cost_inputs", None)
+        if cached is not None and cached[0] is self.link_profile:
+            return cached[1]
         lp = self.link_profile
         if isinstance(lp, str):
             lp = PRESETS[lp] if lp in PRESETS else LinkProfile.load(lp)
@@ -830,6 +834,7 @@ class Job:
         if self.mesh.device.type == "cuda":
             name = torch.cuda.get_device_name(self.mesh.device).lower()
             dev = next((d for k, d in DEVICES.items() if k in name), DEVICES["h200"])
+        self._cost_inputs = (self.link_profile, (lp, dev))
         return lp, dev
 
     def _timeline(self, gm, measured: dict[str, float] | None = None):
