@@ -17,7 +17,22 @@ shards are added into running sums. See passes/accumulate.py."""
 
 
 def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step") -> Program:
-    """Rewrite a captured step for ``strategy`` on the data-parallel axis described by ``ctx``."""
+    """Rewrite a captured step for ``strategy`` on the data-parallel axis described by ``ctx``.
+
+    The products' SM carveout (``ctx.sm_carveout``) is applied last, to the program every choice
+    (buckets, in-flight cap, memory plan) settled on: the cost model counts what a carved product
+    loses but not the contention it removes, so carving the candidates would steer those choices
+    away from overlap."""
+    prog = _shard_step(cap, strategy, ctx, mode)
+    if ctx.sm_carveout:
+        sms, share, min_s = ctx.sm_carveout
+        if ctx.node_time is None or ctx.comm_time is None:
+            raise ValueError("ShardContext.sm_carveout needs node_time and comm_time (the cost model)")
+        prog.carved = carveout.apply(prog.gm, sms, share, ctx.node_time, ctx.comm_time, min_s)
+    return prog
+
+
+def _shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str) -> Program:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     whole = strategy in ("ddp", "zero1")
@@ -27,7 +42,7 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
         ctx = dataclasses.replace(ctx, reduce_dtype=None)
     if ctx.graph_budget is not None:
         def build(c: ShardContext) -> Program:
-            return shard_step(cap, strategy, c, mode)
+            return _shard_step(cap, strategy, c, mode)
 
         # the budget's search builds every candidate under the smallest in-flight cap (its peaks then
         # grow with what it keeps); the plan it keeps is built again with the cap swept under the budget
@@ -72,8 +87,7 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap
 
 
 def _after_schedule(prog: Program, ctx: ShardContext) -> Program:
-    """Activation offload, readiness waits and the products' SM carveout: the rewrites that follow
-    the schedule."""
+    """Activation offload and readiness waits: the rewrites that follow the schedule."""
     if ctx.offload_activations:
         names = ctx.offload_activations if ctx.offload_activations is not True \
             else {n.name for n, _ in actoffload.candidates(prog.gm)}
@@ -81,11 +95,6 @@ def _after_schedule(prog: Program, ctx: ShardContext) -> Program:
                                           ctx.fetch_time or (lambda b: 0.0))
     if ctx.param_ready:
         ready.insert(prog, ctx.param_ready)
-    if ctx.sm_carveout:
-        sms, share, min_s = ctx.sm_carveout
-        if ctx.node_time is None or ctx.comm_time is None:
-            raise ValueError("ShardContext.sm_carveout needs node_time and comm_time (the cost model)")
-        prog.carved = carveout.apply(prog.gm, sms, share, ctx.node_time, ctx.comm_time, min_s)
     return prog
 
 

@@ -9,8 +9,8 @@ short ones (for them a carved call's cost, ~10 µs on the host, is not worth it)
 keeps its ATen op in ``meta["sw_product"]`` (its FLOPs) and its share of the SMs in
 ``meta["sm_share"]``: the roofline stretches its compute-bound time by that share.
 
-Runs after scheduling (and after activation offload and readiness waits), so the collective
-schedule is the one the cost model chose. The choice is a function of the graph and the cost model
+Runs last (``shard_step``), on the program every choice settled on: buckets, in-flight cap and
+memory plan are chosen on uncarved candidates. The choice is a function of the graph and the cost model
 (roofline and link profile), so every rank makes the same one.
 """
 
