@@ -122,16 +122,22 @@ def test_auto_buckets_pick_the_fastest_size_within_the_peak_slack():
 
 def _gather_bound_moe():
     """(the tiny MoE's capture, a stand-in cost model under which its expert weights take longer to
-    gather than the products between them take: one unit per product, bytes / 3000 per collective)."""
+    gather than the products between them take: one unit per product, stretched by a carved
+    product's SM share, bytes / 3000 per collective; its estimate, node time and collective time)."""
     from shardwise.costmodel import liveness
 
     _, cap = captured("moe")
 
-    def est(gm):
-        tl = simulate(gm, lambda n: 1.0 if "mm" in str(n.target) else 0.0, lambda n: sched._payload(n) / 3000)
-        return tl.step_s, liveness(gm).peak
+    def compute(n):
+        return 1.0 / n.meta.get("sm_share", 1.0) if "mm" in str(n.target) else 0.0
 
-    return cap, est
+    def comm(n):
+        return sched._payload(n) / 3000
+
+    def est(gm):
+        return simulate(gm, compute, comm).step_s, liveness(gm).peak
+
+    return cap, est, compute, comm
 
 
 def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them():
@@ -140,7 +146,7 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
     # picks a larger cap, which issues the gathers further ahead (the graph change) and hides more
     from shardwise.costmodel import liveness
 
-    cap, est = _gather_bound_moe()
+    cap, est, _, _ = _gather_bound_moe()
     prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0))
     rows = prog.schedule["cap_choice"]
     largest = max(sched._payload(s) for s in sw_nodes(prog.gm))
@@ -183,7 +189,7 @@ def test_a_memory_budget_sweeps_the_cap_of_the_plan_it_keeps_under_the_budget():
     # sweep may not take a cap whose peak is over the budget
     from shardwise.costmodel import liveness
 
-    cap, est = _gather_bound_moe()
+    cap, est, _, _ = _gather_bound_moe()
     base = ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0, reserve=10**12)
     free = shard_step(cap, "zero3", base)
     assert next(r for r in free.schedule["cap_choice"] if r[3])[0] > free.schedule["cap_choice"][0][0]
@@ -413,19 +419,7 @@ def test_the_carveout_is_applied_to_the_chosen_program_not_to_the_candidates():
     # the cost model charges a carved product for the SMs it gives up but does not credit the overlap
     # it buys, so carving the candidates would push the cap and bucket choices away from overlap: the
     # choices are made uncarved and the program they settle on is carved afterwards
-    from shardwise.costmodel import liveness
-
-    _, cap = captured("moe")
-
-    def compute(n):
-        return 1.0 / n.meta.get("sm_share", 1.0) if "mm" in str(n.target) else 0.0
-
-    def comm(n):
-        return sched._payload(n) / 3000
-
-    def est(gm):
-        return simulate(gm, compute, comm).step_s, liveness(gm).peak
-
+    cap, est, compute, comm = _gather_bound_moe()
     kw = dict(schedule=True, estimate=est, shard_bucket_bytes="auto", bucket_peak_slack=100.0, node_time=compute,
               comm_time=comm)
     plain = shard_step(cap, "zero3", ShardContext(4, "g", **kw))

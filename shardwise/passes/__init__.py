@@ -108,6 +108,13 @@ Measured on two H200s (bench/results/2026-11-30-h200x2-sitting6-summary.md): lar
 spread of one configuration is about 1.5%; a gain the model cannot resolve is not worth the memory."""
 
 
+def _copy(prog: Program) -> Program:
+    """A candidate to finish: ``prog`` with a graph of its own (its other fields shared)."""
+    p = copy.copy(prog)
+    p.gm = copy.deepcopy(prog.gm)
+    return p
+
+
 def _sweeps(ctx: ShardContext) -> bool:
     """Whether the in-flight cap is the cost model's to choose: no cap given, the cost model at hand,
     and more than one collective allowed in flight (not gloo, not ``max_ops_in_flight=1``)."""
@@ -130,8 +137,7 @@ def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: i
         return _after_schedule(prog, ctx)
     rows, tried = [], []
     for k in CAP_FACTORS:
-        p = copy.copy(prog)
-        p.gm = copy.deepcopy(prog.gm)
+        p = _copy(prog)
         p.schedule = schedule.schedule(p.gm, k * largest, ctx.max_ops_in_flight)
         p = _after_schedule(p, ctx)
         t, peak = ctx.estimate(p.gm)
@@ -160,9 +166,7 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
     largest = max(s.meta["sw"]["full_bytes"] for s in starts)
     rows, progs = [], []
     for k in (0, 1, 2, 4, 8, 16):
-        p = copy.copy(prog)
-        p.gm = copy.deepcopy(prog.gm)
-        p = _finish(p, ctx, mode, k * largest, sweep_cap=False)
+        p = _finish(_copy(prog), ctx, mode, k * largest, sweep_cap=False)
         t, peak = ctx.estimate(p.gm)
         rows.append([k * largest, t, peak, False])
         progs.append(p)
@@ -175,9 +179,7 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
     chosen = progs[best]
     if ctx.cap_sweep and _sweeps(ctx):
         # the chosen size finished again, the in-flight cap now swept too (one sweep, not one per size)
-        chosen = copy.copy(prog)
-        chosen.gm = copy.deepcopy(prog.gm)
-        chosen = _finish(chosen, ctx, mode, rows[best][0], ref_peak=base_peak)
+        chosen = _finish(_copy(prog), ctx, mode, rows[best][0], ref_peak=base_peak)
     chosen.bucket_choice = [tuple(r) for r in rows]
     return chosen
 

@@ -169,10 +169,10 @@ def exposed_comm(prof) -> dict[str, Any]:
     if kernels:
         nccl = [(e.time_range.start, e.time_range.end, _nccl_kind(e.name)) for e in kernels if "nccl" in e.name.lower()]
         comm = _merge([(a, b) for a, b, _ in nccl])
-        comp = _merge([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
+        compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+        comp = _merge(compute)
         by, top = exposed_by_kernel(nccl, comp)
-        held, held_us = gathers_held_back(nccl, [(e.time_range.start, e.time_range.end) for e in kernels
-                                                 if "nccl" not in e.name.lower()])
+        held, held_us = gathers_held_back(nccl, compute)
         return {"comm_s": _length(comm) / 1e6, "exposed_s": _subtract(comm, comp) / 1e6,
                 "exposed_by_kind_s": {k: v / 1e6 for k, v in sorted(by.items())}, "exposed_top": top,
                 "gathers_held_back": held, "gathers_held_back_s": held_us / 1e6}
