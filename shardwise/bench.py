@@ -306,6 +306,11 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     batches = [tuple(t.to(device) for t in data.get(i, rank)) for i in range(cfg.warmup + cfg.steps + 2)]
     row = {"system": system, "step_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "peak_mem_gb": None,
            "exposed_comm_pct": None, "pred_step_s": None, "pred_peak_mem_gb": None}
+    # the communication library's settings this row ran under (rows of one record may come from
+    # several commands, e.g. one with NCCL's streams at high priority)
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))}
+    if env:
+        row["env"] = env
     pred = None
     if system.startswith("shardwise"):
         mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if cfg.precision == "bf16" else None
@@ -661,6 +666,14 @@ def _fmt_row(r: dict) -> str:
             f"pred step {f('pred_step_s', '.4f')} s  pred peak {f('pred_peak_mem_gb', '.3f')} GB  ({r['wall_s']} s)")
 
 
+def _label(r: dict) -> str:
+    """A row's system, with the communication settings it ran under where a command set any."""
+    env = r.get("env") or {}
+    extra = [f"{k.removeprefix('TORCH_')}={v}" for k, v in env.items()
+             if k not in ("NCCL_NVLS_ENABLE", "NCCL_DEBUG")]
+    return r["system"] + ("\n" + " ".join(extra) if extra else "")
+
+
 def plot(rec: dict, path: str) -> str:
     """Bar plot of tokens/s per GPU per system, step time and peak memory written on the bars."""
     import matplotlib
@@ -677,7 +690,7 @@ def plot(rec: dict, path: str) -> str:
         pk = r.get("peak_mem_gb")
         mem = "" if pk is None else (f"\n{pk:.2f} GB" if pk >= 1 else f"\n{pk * 1e3:.1f} MB")
         ax.text(x, r["tokens_per_s_per_gpu"], f"{r['step_s'] * 1e3:.0f} ms{mem}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(list(xs), [r["system"] for r in ok], rotation=20, fontsize=8)
+    ax.set_xticks(list(xs), [_label(r) for r in ok], rotation=20, fontsize=8)
     ax.set_ylim(0, 1.25 * max((r["tokens_per_s_per_gpu"] for r in ok), default=1))
     ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
     c = rec["config"]

@@ -227,3 +227,12 @@ def test_bench_rows_get_their_share_above_the_no_communication_ceiling():
     assert rows[0]["over_ceiling_pct"] == pytest.approx(20.0)
     assert "over_ceiling_pct" not in rows[1] and "over_ceiling_pct" not in rows[2]
     assert not _over_ceiling([{"system": "ddp", "step_s": 0.2}])  # no ceiling in the record: nothing added
+
+
+def test_bench_rows_name_the_nccl_settings_they_ran_under():
+    from shardwise.bench import _label
+
+    assert _label({"system": "shardwise"}) == "shardwise"
+    assert _label({"system": "shardwise", "env": {"NCCL_NVLS_ENABLE": "0"}}) == "shardwise"
+    lab = _label({"system": "shardwise:carveout=24", "env": {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HIGH_PRIORITY": "1"}})
+    assert lab == "shardwise:carveout=24\nNCCL_HIGH_PRIORITY=1", lab
