@@ -243,7 +243,7 @@ _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb
             "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30)),
             "fused": ("fused_optimizer", lambda v: bool(int(v))),
             "overlap_update": ("overlap_update", lambda v: bool(int(v))),
-            "carveout": ("matmul_sm_carveout", lambda v: int(v) or None)}
+            "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else (int(v) or None))}
 
 # options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
 _PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
@@ -387,7 +387,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         prog = job._compiled(batches[0], "step")[0]
         if prog.schedule:
             row["schedule"] = {"max_in_flight_mb": prog.schedule["max_in_flight"] / 2**20,
-                               "carved_products": prog.carved,
+                               "carved_products": prog.carved, "carve_choice": prog.carve_choice,
                                "max_ops": prog.schedule.get("max_ops"),
                                "cap_choice": prog.schedule.get("cap_choice"),
                                "bucket_choice": prog.bucket_choice}

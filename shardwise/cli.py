@@ -134,6 +134,15 @@ def _host_share(v: str):
     return f or False
 
 
+def _carveout_arg(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of SMs, got {v!r}") from None
+
+
 def _build_model(args, mesh, **overrides):
     """(model on the mesh's device, sequence length, precision policy) from the shared model flags."""
     import torch
@@ -184,9 +193,9 @@ def _optimizer_args(p) -> None:
     p.add_argument("--overlap-update", action="store_true",
                    help="zero3: update in chunks in forward order, on CUDA on a stream of its own, the next "
                         "step's forward starting while later chunks update")
-    p.add_argument("--matmul-sm-carveout", type=int, default=None, metavar="SMS",
+    p.add_argument("--matmul-sm-carveout", type=_carveout_arg, default=None, metavar="SMS|auto",
                    help="CUDA, experimental: matrix products running beside a collective leave SMS SMs free "
-                        "for its kernels (e.g. 24)")
+                        "for its kernels (e.g. 32); auto: where the cost model predicts a faster step")
 
 
 def _bench_parser(sub) -> None:

@@ -82,7 +82,7 @@ def compile(
     offload_activations: bool = False,
     fused_optimizer: bool | None = None,
     overlap_update: bool = False,
-    matmul_sm_carveout: int | None = None,
+    matmul_sm_carveout: int | str | None = None,
     link_profile=None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -143,9 +143,10 @@ def compile(
     so the collective's kernels run beside them rather than after them (passes/carveout.py;
     cuBLASLt's SM-count target, through torch's experimental carveout). For jobs whose gathers
     outlast the compute between them (an MoE's experts): there a product that takes every SM holds
-    the next gather back. Each carved product is predicted slower by the SMs it gives up; the
-    simulation has no notion of the SM contention it removes, so the prediction only counts its
-    cost. On CPU every product beside a collective is carved, and the carveout does nothing.
+    the next gather back. ``"auto"``: the cost model simulates the step with and without carving
+    (32 SMs, what NCCL's kernels need on an H200), SM contention included, and carves only if that
+    is predicted at least 2% faster; on CPU it never carves. With a number, on CPU every product
+    beside a collective is carved, and the carveout does nothing.
 
     Example::
 
@@ -228,25 +229,33 @@ CARVE_MIN_S = 20e-6
 """Products predicted shorter than this keep every SM (a carved call costs ~10 µs on the host)."""
 
 
-def _sm_carveout(sms, device: torch.device) -> tuple[int, float, float] | None:
-    """``matmul_sm_carveout`` checked: (SMs left free, share of the SMs a carved product keeps,
-    shortest product carved)."""
+def _sm_carveout(sms, device: torch.device):
+    """``matmul_sm_carveout`` checked, as the carveout pass's settings (passes/carveout.py)."""
+    from .passes.carveout import SMCarveout
+
     if sms is None:
         return None
-    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
-        raise ValueError(f"matmul_sm_carveout must be a positive number of SMs (e.g. 16 or 24, what NCCL's "
-                         f"kernels take) or None, got {sms!r}")
+    auto = sms == "auto"
+    if not auto and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+        raise ValueError(f"matmul_sm_carveout must be a positive number of SMs (e.g. 32, what NCCL's kernels "
+                         f"need on an H200), 'auto' (the cost model decides) or None, got {sms!r}")
     if device.type != "cuda":
-        return sms, 1.0, 0.0  # inert off CUDA: nothing is slower, and every product shows the pass at work
+        # gloo's collectives take no SMs: "auto" never carves; a number carves, inert, to show the pass at work
+        return None if auto else SMCarveout(sms, 0)
     if not (hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch.backends.cuda, "preferred_blas_library")):
+        if auto:
+            return None
         raise ValueError(f"matmul_sm_carveout needs torch's experimental SM carveout and cuBLASLt, which torch "
                          f"{torch.__version__} does not have: leave it at None")
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).multi_processor_count
+    need = SMCarveout(0, total).need
+    if auto:
+        return SMCarveout(need, total, CARVE_MIN_S, auto=True) if need < total // 2 else None
     if sms >= total:
         raise ValueError(f"matmul_sm_carveout={sms} leaves no SM to the products: this device has {total}; "
                          f"pass fewer (NCCL's kernels take 16-32)")
-    return sms, (total - sms) / total, CARVE_MIN_S
+    return SMCarveout(sms, total, CARVE_MIN_S)
 
 
 def _budget_bytes(budget, device: torch.device) -> int | None:
@@ -1058,10 +1067,14 @@ class Job:
                              f"largest (MiB): {big}")
             if prog.recomputed:
                 lines.append(f"  recomputed in backward ({len(prog.recomputed)}): {', '.join(prog.recomputed)[:300]}")
+            if prog.carve_choice:
+                plain, carved, keep = prog.carve_choice
+                lines.append(f"  SM carveout (auto, cost model with SM contention): step {plain * 1e3:.2f} ms uncarved, "
+                             f"{carved * 1e3:.2f} ms carved: " + ("carved" if keep else "not carved"))
             if prog.carved:
-                sms, share, _ = self.ctx.sm_carveout
-                lines.append(f"  matrix products beside a collective, leaving {sms} SMs free to it: {prog.carved} "
-                             + (f"(predicted at {share:.0%} of the SMs)" if share < 1 else "(inert off CUDA)"))
+                c = self.ctx.sm_carveout
+                lines.append(f"  matrix products beside a collective, leaving {c.sms} SMs free to it: {prog.carved} "
+                             + (f"(a share of {c.share:.0%} of the SMs)" if c.total else "(inert off CUDA)"))
             if prog.offloaded:
                 lines.append(f"  activations kept in host memory, fetched back early in the backward "
                              f"({len(prog.offloaded)}): {', '.join(prog.offloaded)[:300]}")

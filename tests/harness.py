@@ -95,6 +95,15 @@ def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = ()
     return losses, sd, counts
 
 
+def set_carve_min_s(v: float) -> float:
+    """Set the shortest product the carveout carves on this rank (``shardwise.job.CARVE_MIN_S``);
+    returns what it was. The test models' products take a few µs on a GPU, under the default."""
+    import shardwise.job as j
+
+    old, j.CARVE_MIN_S = j.CARVE_MIN_S, v
+    return old
+
+
 def mismatched_batches():
     """Rank 1 passes a longer batch than rank 0: every rank must raise, none may hang."""
     model = make_model("gpt", "fp32")

@@ -12,6 +12,7 @@ from test_graph import captured, sw_nodes
 from shardwise.costmodel import DEVICES, PRESETS, LinkProfile, bus_factor, fit, flops, node_time, simulate
 from shardwise.passes import CAP_FACTORS, CAP_TIE, ShardContext, shard_step
 from shardwise.passes import schedule as sched
+from shardwise.passes.carveout import SMCarveout
 
 
 def test_alpha_beta_matches_the_ring_formula():
@@ -423,10 +424,87 @@ def test_the_carveout_is_applied_to_the_chosen_program_not_to_the_candidates():
     kw = dict(schedule=True, estimate=est, shard_bucket_bytes="auto", bucket_peak_slack=100.0, node_time=compute,
               comm_time=comm)
     plain = shard_step(cap, "zero3", ShardContext(4, "g", **kw))
-    carved = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=(24, 0.5, 0.0), **kw))
+    carved = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=SMCarveout(24, 48), **kw))
     assert carved.carved > 0 and plain.carved == 0
     assert carved.schedule["cap_choice"] == plain.schedule["cap_choice"]
     assert carved.bucket_choice == plain.bucket_choice
     assert [n.name for n in carved.gm.graph.nodes] == [n.name for n in plain.gm.graph.nodes]
-    # and carved, the same program is predicted slower (its cost, counted; the contention it removes, not)
+    # and carved, the same program is predicted slower without the SM contention model (its cost
+    # counted, the contention it removes not)
     assert est(carved.gm)[0] > est(plain.gm)[0]
+
+
+def _prefetch_two(hold_share: dict):
+    """Two gathers issued up front, each waited for right before the product that needs it: compute
+    1 s per product, 1 s per gather; ``hold_share``: the share of the SMs each product leaves free."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    starts = []
+    for i in range(2):
+        c = g.call_function(torch.ops.aten.clone.default, (x,), name=f"gather{i}")
+        c.meta["sw"] = {"kind": "all_gather", "param": f"w{i}"}
+        starts.append(c)
+    y = x
+    for i, c in enumerate(starts):
+        w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (c,))
+        y = g.call_function(torch.ops.aten.mm.default, (y, w), name=f"product{i}")
+    g.output(y)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    return [simulate(gm, lambda n: 1.0 if n.name.startswith("product") else 0.0, lambda n: 1.0, free)
+            for free in (None, lambda n: hold_share.get(n.name, 1.0))]
+
+
+def test_sm_contention_holds_a_collective_back_behind_a_product_that_fills_every_sm():
+    # without contention the second gather runs beside the first product: step 3 s, 1 s exposed
+    plain, held = _prefetch_two({"product0": 0.0})
+    assert (plain.step_s, plain.exposed_comm_s) == (3.0, 1.0)
+    # product0 holds every SM: gather1, due when gather0 ends (as product0 starts), starts when it ends
+    assert (held.step_s, held.exposed_comm_s) == (4.0, 2.0)
+    assert [(s, e) for lane, _, s, e in held.events if lane == "comm"] == [(0.0, 1.0), (1.0 + 1.0, 3.0)]
+    # a product leaving half the SMs the gather needs: it runs beside, twice as long
+    _, half = _prefetch_two({"product0": 0.5})
+    assert [(s, e) for lane, _, s, e in half.events if lane == "comm"] == [(0.0, 1.0), (1.0, 3.0)]
+    # a product leaving every SM it needs: as without contention
+    _, free = _prefetch_two({"product0": 1.0})
+    assert (free.step_s, sorted(free.events)) == (plain.step_s, sorted(plain.events))
+
+
+def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(monkeypatch):
+    from shardwise.passes import carveout
+
+    # the tiny MoE's products are far below one tile per SM: count every product as filling the SMs
+    monkeypatch.setattr(carveout, "TILE", 1)
+    cap, est, compute, comm = _gather_bound_moe()
+    kw = dict(schedule=True, estimate=est, node_time=compute, comm_time=comm)
+    auto = carveout.SMCarveout(32, 64, auto=True)  # a carved product keeps half the SMs: twice as long
+    plain = shard_step(cap, "zero3", ShardContext(4, "g", **kw))
+    carved = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=auto, **kw))
+    # gather-bound: uncarved, each product holds the next gather back; carved, they overlap
+    before, after, keep = carved.carve_choice
+    assert keep and carved.carved > 0 and after <= before * (1 - carveout.CARVE_TIE), carved.carve_choice
+    assert before == simulate(plain.gm, compute, comm, carveout.contention(auto)).step_s
+    assert any(n.target in carveout.CARVED.values() for n in carved.gm.graph.nodes)
+    # where the collectives are short, holding them back costs little and carving costs the products
+    # their SMs: not carved, and the program is the uncarved one
+    fast = dict(kw, comm_time=lambda n: sched._payload(n) / 3e6)
+    plain = shard_step(cap, "zero3", ShardContext(4, "g", **fast))
+    kept = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=auto, **fast))
+    assert kept.carve_choice[2] is False and kept.carved == 0 and kept.carve_choice[1] > kept.carve_choice[0]
+    assert kept.gm.code == plain.gm.code
+    # a product's free share: none for a product filling the SMs, carved SMs over the need for a
+    # carved one, all for anything else
+    free = carveout.contention(auto)
+    kinds = {}
+    for n in carved.gm.graph.nodes:
+        if n.op == "call_function" and (n.target in carveout.CARVED or n.target in carveout.CARVED.values()
+                                        or n.target is torch.ops.aten.add.Tensor):
+            kinds[n.target in carveout.CARVED.values(), n.target is torch.ops.aten.add.Tensor] = free(n)
+    assert kinds[True, False] == 1.0 and kinds[False, True] == 1.0
+    # a carved product leaving 32 SMs, for a collective that needs 64: half
+    assert carveout.contention(carveout.SMCarveout(32, 64, need=64))(
+        next(n for n in carved.gm.graph.nodes if n.target in carveout.CARVED.values())) == 0.5
+    # off CUDA the collectives take no SMs: "auto" never carves; a number carves, inert (share 1)
+    from shardwise.job import _sm_carveout
+
+    assert _sm_carveout("auto", torch.device("cpu")) is None
+    assert _sm_carveout(16, torch.device("cpu")) == SMCarveout(16, 0) and SMCarveout(16, 0).share == 1.0

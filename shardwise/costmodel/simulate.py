@@ -4,6 +4,12 @@ Walk the node order: a compute node advances the compute lane by its estimated t
 start queues on the communication lane (one collective at a time, in issue order, as on one NCCL
 stream) from the moment it is issued; a wait holds the compute lane until its collective ends.
 The compute lane's idle time in waits is the exposed communication.
+
+With ``free`` given, the lanes also share the SMs: a collective's kernels need SMs of their own, and
+``free(node)`` says what share of them a compute node leaves while it runs. 0: none (a persistent
+matrix product, one block on every SM): a collective due to start while it runs starts when it
+ends. Between 0 and 1 (a product with some SMs carved out for communication): the collective
+starts and runs ``1 / share`` times as long. 1: no contention (the default for every node).
 """
 
 from __future__ import annotations
@@ -32,23 +38,50 @@ class Timeline:
 
 
 def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
-             comm_time: Callable[[fx.Node], float]) -> Timeline:
-    """Predicted step of ``gm`` under the two estimators (pluggable, so tests can use exact ones)."""
+             comm_time: Callable[[fx.Node], float], free: Callable[[fx.Node], float] | None = None) -> Timeline:
+    """Predicted step of ``gm`` under the two estimators (pluggable, so tests can use exact ones);
+    ``free``: the SM contention model (module docstring), None for none."""
     t = 0.0  # compute lane
-    comm_free = 0.0
+    comm_free = 0.0  # the link is busy until then
     ends: dict[fx.Node, float] = {}
+    pending: list[tuple[fx.Node, float, float]] = []  # (start node, issued at, α-β seconds), not started yet
     exposed = busy_c = busy_m = 0.0
     events = []
+
+    def start(n, s, d):
+        nonlocal comm_free, busy_m
+        comm_free = ends[n] = s + d
+        busy_m += d
+        events.append(("comm", f"{n.meta['sw']['kind']} {n.meta['sw'].get('param') or ''}".strip(), s, s + d))
+
+    def run_beside(lo: float, hi: float, share: float, upto: fx.Node | None = None):
+        """Start the pending collectives due before ``hi`` while the compute lane runs a node
+        leaving ``share`` of the SMs over [lo, hi) (share 1 from ``hi`` = inf: the lane is idle)."""
+        nonlocal comm_free
+        while pending:
+            n, issued, d = pending[0]
+            s = max(issued, comm_free)
+            if s >= hi:
+                return
+            if share <= 0.0:  # the node holds every SM: the collective starts when it ends
+                comm_free = max(comm_free, hi)
+                return
+            pending.pop(0)
+            start(n, s, d if share >= 1.0 or s < lo else d / share)
+            if n is upto:
+                return
+
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if n.meta.get("sw") is not None:  # a collective start, as the passes mark them
-            d = comm_time(n)
-            s = max(t, comm_free)
-            comm_free = ends[n] = s + d
-            busy_m += d
-            events.append(("comm", f"{n.meta['sw']['kind']} {n.meta['sw'].get('param') or ''}".strip(), s, s + d))
+            if free is None:
+                start(n, max(t, comm_free), comm_time(n))
+            else:
+                pending.append((n, t, comm_time(n)))
         elif n.target is WAIT:
+            if any(p[0] is n.args[0] for p in pending):
+                run_beside(t, float("inf"), 1.0, upto=n.args[0])  # the compute lane idles until it ends
             end = ends.get(n.args[0], t)
             if end > t:
                 exposed += end - t
@@ -56,8 +89,11 @@ def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
                 t = end
         else:
             d = compute_time(n)
+            if pending:
+                run_beside(t, t + d, free(n) if d else 1.0)
             if d:
                 events.append(("compute", n.name, t, t + d))
             t += d
             busy_c += d
+    run_beside(t, float("inf"), 1.0)
     return Timeline(step_s=max(t, comm_free), compute_s=busy_c, exposed_comm_s=exposed, comm_s=busy_m, events=events)

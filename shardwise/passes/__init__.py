@@ -20,15 +20,14 @@ def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step
     """Rewrite a captured step for ``strategy`` on the data-parallel axis described by ``ctx``.
 
     The products' SM carveout (``ctx.sm_carveout``) is applied last, to the program every choice
-    (buckets, in-flight cap, memory plan) settled on: the cost model counts what a carved product
-    loses but not the contention it removes, so carving the candidates would steer those choices
-    away from overlap."""
+    (buckets, in-flight cap, memory plan) settled on: those choices are simulated without SM
+    contention, where carving only costs, so carving the candidates would steer them away from
+    overlap."""
     prog = _shard_step(cap, strategy, ctx, mode)
     if ctx.sm_carveout:
-        sms, share, min_s = ctx.sm_carveout
         if ctx.node_time is None or ctx.comm_time is None:
             raise ValueError("ShardContext.sm_carveout needs node_time and comm_time (the cost model)")
-        prog.carved = carveout.apply(prog.gm, sms, share, ctx.node_time, ctx.comm_time, min_s)
+        prog.carved, prog.carve_choice = carveout.apply(prog.gm, ctx.sm_carveout, ctx.node_time, ctx.comm_time)
     return prog
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.fx as fx
@@ -11,6 +11,9 @@ import torch.fx as fx
 from ..capture import Capture
 from ..sharding import ShardLayout
 from . import _emit
+
+if TYPE_CHECKING:
+    from .carveout import SMCarveout
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,9 @@ class ShardContext:
     search turns it off while it compares plans and sweeps the plan it keeps."""
     peak_limit: int | None = None
     """An in-flight cap whose predicted graph peak is above this is not chosen (the budget's)."""
-    sm_carveout: tuple[int, float, float] | None = None
-    """(SMs, share, seconds): matrix products predicted to take at least these seconds beside a
-    collective leave this many SMs free for it and get this share of the device's SMs
-    (passes/carveout.py); None: every SM."""
+    sm_carveout: SMCarveout | None = None
+    """Matrix products predicted to run beside a collective leave SMs free for it
+    (passes/carveout.py ``SMCarveout``); None: every SM."""
     comm_time: Callable[[fx.Node], float] | None = None
     """Predicted seconds of one collective start node (the α-β link profile)."""
     max_ops_in_flight: int | None = None
@@ -114,6 +116,9 @@ class Program:
     """Saved activations kept in host memory between forward and backward (passes/actoffload.py)."""
     carved: int = 0
     """Matrix products run beside a collective with SMs left free for it (passes/carveout.py)."""
+    carve_choice: tuple | None = None
+    """``matmul_sm_carveout="auto"``: (predicted step uncarved, carved, whether carved) by the SM
+    contention model."""
     resident_state: list | None = None
     """Under optimizer offload with a budget: parameters whose master and state stay on the device."""
     predicted_graph_peak: int | None = None
