@@ -434,9 +434,10 @@ def test_the_carveout_is_applied_to_the_chosen_program_not_to_the_candidates():
     assert est(carved.gm)[0] > est(plain.gm)[0]
 
 
-def _prefetch_two(hold_share: dict):
+def _prefetch_two(hold_share: dict, cast_s: float = 0.0):
     """Two gathers issued up front, each waited for right before the product that needs it: compute
-    1 s per product, 1 s per gather; ``hold_share``: the share of the SMs each product leaves free."""
+    1 s per product, 1 s per gather; ``hold_share``: the share of the SMs each product leaves free;
+    ``cast_s``: a kernel of that many seconds between the first wait and its product."""
     g = torch.fx.Graph()
     x = g.placeholder("x")
     starts = []
@@ -447,10 +448,13 @@ def _prefetch_two(hold_share: dict):
     y = x
     for i, c in enumerate(starts):
         w = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (c,))
+        if i == 0:
+            w = g.call_function(torch.ops.aten.relu.default, (w,), name="cast")
         y = g.call_function(torch.ops.aten.mm.default, (y, w), name=f"product{i}")
     g.output(y)
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    return [simulate(gm, lambda n: 1.0 if n.name.startswith("product") else 0.0, lambda n: 1.0, free)
+    times = {"product0": 1.0, "product1": 1.0, "cast": cast_s}
+    return [simulate(gm, lambda n: times.get(n.name, 0.0), lambda n: 1.0, free)
             for free in (None, lambda n: hold_share.get(n.name, 1.0))]
 
 
@@ -461,6 +465,12 @@ def test_sm_contention_holds_a_collective_back_behind_a_product_that_fills_every
     # product0 holds every SM: gather1, due when gather0 ends (as product0 starts), starts when it ends
     assert (held.step_s, held.exposed_comm_s) == (4.0, 2.0)
     assert [(s, e) for lane, _, s, e in held.events if lane == "comm"] == [(0.0, 1.0), (1.0 + 1.0, 3.0)]
+    # a short kernel between: the gather is due 10 µs before the product starts, within RACE_S,
+    # and still loses the SMs to it; due 1 ms before, it starts first and runs beside the product
+    _, raced = _prefetch_two({"product0": 0.0}, cast_s=10e-6)
+    assert [e for lane, _, _, e in raced.events if lane == "comm"] == [1.0, 1.0 + 10e-6 + 2.0]
+    _, ahead = _prefetch_two({"product0": 0.0}, cast_s=1e-3)
+    assert [(s, e) for lane, _, s, e in ahead.events if lane == "comm"] == [(0.0, 1.0), (1.0, 2.0)]
     # a product leaving half the SMs the gather needs: it runs beside, twice as long
     _, half = _prefetch_two({"product0": 0.5})
     assert [(s, e) for lane, _, s, e in half.events if lane == "comm"] == [(0.0, 1.0), (1.0, 3.0)]
@@ -508,3 +518,20 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
 
     assert _sm_carveout("auto", torch.device("cpu")) is None
     assert _sm_carveout(16, torch.device("cpu")) == SMCarveout(16, 0) and SMCarveout(16, 0).share == 1.0
+
+
+def test_roofline_counts_no_time_for_views_and_python_helpers():
+    # detach is a view; keep_alive (passes/schedule.py) is a Python no-op: neither runs a kernel
+    from shardwise.passes.schedule import keep_alive
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(1024, 1024)
+    d = g.call_function(torch.ops.aten.detach.default, (x,))
+    d.meta["val"] = torch.empty(1024, 1024)
+    k = g.call_function(keep_alive, (x, d))
+    r = g.call_function(torch.ops.aten.relu.default, (d,))
+    r.meta["val"] = torch.empty(1024, 1024)
+    h = DEVICES["h200"]
+    assert node_time(d, h) == 0.0 and node_time(k, h) == 0.0
+    assert node_time(r, h) == 2 * 1024 * 1024 * 4 / h.bandwidth

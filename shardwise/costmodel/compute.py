@@ -71,10 +71,10 @@ def node_time(node: fx.Node, device: Device) -> float:
     if node.op != "call_function" or node.meta.get("sw") is not None:
         return 0.0
     name = str(node.target)
-    if "_c10d_functional" in name:
-        return 0.0
+    if "_c10d_functional" in name or not isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return 0.0  # collectives; Python helpers the passes insert (``keep_alive``) run no kernel
     moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    if any(v in name for v in ("view", "alias", "t.default", "transpose", "permute", "expand", "slice", "getitem")):
+    if any(v in name for v in ("view", "alias", "detach", "t.default", "transpose", "permute", "expand", "slice", "getitem")):
         moved = 0  # views move no data
     # a product beside a collective may use only its share of the SMs (passes/carveout.py): its
     # compute-bound time stretches (by CARVE_STRETCH of what its SM count says), its memory-bound time does not

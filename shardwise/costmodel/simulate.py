@@ -8,7 +8,7 @@ The compute lane's idle time in waits is the exposed communication.
 With ``free`` given, the lanes also share the SMs: a collective's kernels need SMs of their own, and
 ``free(node)`` says what share of them a compute node leaves while it runs. 0: none (a persistent
 matrix product, one block on every SM): a collective due to start while it runs starts when it
-ends. Between 0 and 1 (a product with some SMs carved out for communication): the collective
+ends (also one due within ``RACE_S`` before it starts). Between 0 and 1 (a product with some SMs carved out for communication): the collective
 starts and runs ``1 / share`` times as long. 1: no contention (the default for every node).
 """
 
@@ -21,6 +21,11 @@ import torch
 import torch.fx as fx
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+RACE_S = 50e-6
+"""A collective due this soon before a product that fills the SMs starts loses them to it: its kernel
+launches on another stream after an event wait, the product right behind on the compute stream
+(sitting 6's MoE traces: the products started first though both were ready together)."""
 
 
 @dataclass
@@ -56,15 +61,20 @@ def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
 
     def run_beside(lo: float, hi: float, share: float, upto: fx.Node | None = None):
         """Start the pending collectives due before ``hi`` while the compute lane runs a node
-        leaving ``share`` of the SMs over [lo, hi) (share 1 from ``hi`` = inf: the lane is idle)."""
+        leaving ``share`` of the SMs over [lo, hi) (``hi`` = inf: the lane is idle). One due less
+        than ``RACE_S`` before the node ends waits for the next node: a product filling the SMs that
+        starts then still gets them first."""
         nonlocal comm_free
         while pending:
             n, issued, d = pending[0]
             s = max(issued, comm_free)
-            if s >= hi:
-                return
-            if share <= 0.0:  # the node holds every SM: the collective starts when it ends
-                comm_free = max(comm_free, hi)
+            if share <= 0.0:  # the node holds every SM: a collective due while it runs starts when it ends
+                if s >= hi:
+                    return
+                if s >= lo - RACE_S:
+                    comm_free = max(comm_free, hi)
+                    return
+            elif s >= hi - RACE_S:
                 return
             pending.pop(0)
             start(n, s, d if share >= 1.0 or s < lo else d / share)
