@@ -2,8 +2,8 @@
 
 The step is captured on fake tensors with the weights on the meta device (no memory for them), sharded
 zero3 over 2 ranks, and the carveout pass asked to choose with the H200 roofline and a link profile.
-On the meta device attention is traced as its math decomposition, not the flash kernel CUDA runs,
-so the roofline's step is longer than on the GPU (its choice is what to compare).
+Attention is traced as the flash-attention op CUDA runs (on the meta device torch would trace its
+math decomposition instead, a graph the GPU never runs).
 
     python bench/carve_decision.py moe 8x7b-8l 1 bench/results/2026-11-30-h200x2-sitting7-link-nccl-ws2.json
     python bench/carve_decision.py llama 8b 2 bench/results/2026-11-30-h200x2-sitting7-link-nccl-ws2.json
@@ -21,9 +21,16 @@ from shardwise.passes import ShardContext, shard_step
 from shardwise.passes.carveout import SMCarveout
 
 
+def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+    if attn_mask is not None or kw:
+        raise ValueError("carve_decision: the built-in models' attention takes no mask")
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
+
+
 def main(name: str, size: str, batch: int, link: str, ws: int = 2) -> None:
     with torch.device("meta"):
         model = build(name, size)
+    torch.nn.functional.scaled_dot_product_attention = _flash  # what CUDA dispatches these shapes to
     seq = model.cfg.seq
     tokens = torch.empty((batch, seq), dtype=torch.long, device="meta")
     cap = capture_step(model, (tokens, tokens), param_dtype=torch.bfloat16, device=torch.device("meta"))

@@ -145,7 +145,8 @@ def compile(
     outlast the compute between them (an MoE's experts): there a product that takes every SM holds
     the next gather back. ``"auto"``: the cost model simulates the step with and without carving
     (32 SMs, what NCCL's kernels need on an H200), SM contention included, and carves only if that
-    is predicted at least 2% faster; on CPU it never carves. With a number, on CPU every product
+    is predicted at least 2% faster; on CPU, on a torch without the carveout and on GPUs of 64 SMs or
+    fewer it never carves. With a number, on CPU every product
     beside a collective is carved, and the carveout does nothing.
 
     Example::
@@ -231,7 +232,7 @@ CARVE_MIN_S = 20e-6
 
 def _sm_carveout(sms, device: torch.device):
     """``matmul_sm_carveout`` checked, as the carveout pass's settings (passes/carveout.py)."""
-    from .passes.carveout import SMCarveout
+    from .passes.carveout import COMM_SMS, SMCarveout
 
     if sms is None:
         return None
@@ -249,7 +250,7 @@ def _sm_carveout(sms, device: torch.device):
                          f"{torch.__version__} does not have: leave it at None")
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).multi_processor_count
-    need = SMCarveout(0, total).need
+    need = COMM_SMS
     if auto:
         return SMCarveout(need, total, CARVE_MIN_S, auto=True) if need < total // 2 else None
     if sms >= total:

@@ -500,7 +500,8 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
     plain = shard_step(cap, "zero3", ShardContext(4, "g", **fast))
     kept = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=auto, **fast))
     assert kept.carve_choice[2] is False and kept.carved == 0 and kept.carve_choice[1] > kept.carve_choice[0]
-    assert kept.gm.code == plain.gm.code
+    assert str(kept.gm.graph) == str(plain.gm.graph) and kept.gm.code == plain.gm.code
+    assert not any("sm_share" in n.meta or "sw_product" in n.meta for n in kept.gm.graph.nodes)
     # a product's free share: none for a product filling the SMs, carved SMs over the need for a
     # carved one, all for anything else
     free = carveout.contention(auto)
@@ -532,6 +533,9 @@ def test_roofline_counts_no_time_for_views_and_python_helpers():
     k = g.call_function(keep_alive, (x, d))
     r = g.call_function(torch.ops.aten.relu.default, (d,))
     r.meta["val"] = torch.empty(1024, 1024)
+    c = g.call_function(torch.ops.aten.cat.default, ([x, d],))  # a copy, though its name ends in "t.default"
+    c.meta["val"] = torch.empty(2048, 1024)
     h = DEVICES["h200"]
     assert node_time(d, h) == 0.0 and node_time(k, h) == 0.0
     assert node_time(r, h) == 2 * 1024 * 1024 * 4 / h.bandwidth
+    assert node_time(c, h) == 4 * 1024 * 1024 * 4 / h.bandwidth

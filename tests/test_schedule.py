@@ -5,6 +5,7 @@ import pytest
 from test_graph import captured, sw_nodes
 from shardwise.capture import forward_nodes
 from shardwise.passes import ShardContext, shard_step
+from shardwise.passes.carveout import SMCarveout
 from shardwise.passes.schedule import WAIT, _payload, keep_alive
 
 WS = 4
@@ -162,7 +163,7 @@ def _carved(strategy, min_s=0.0):
     _, cap = captured("moe")
     # ddp: one all-reduce per gradient, started as the backward produces it
     kw = dict(schedule=True, bucket_bytes=1, node_time=compute, comm_time=comm)
-    prog = shard_step(cap, strategy, ShardContext(2, "g", sm_carveout=(24, 0.8, min_s), **kw))
+    prog = shard_step(cap, strategy, ShardContext(2, "g", sm_carveout=SMCarveout(24, 120, min_s), **kw))
     plain = shard_step(cap, strategy, ShardContext(2, "g", **kw))
     return prog, plain, simulate(plain.gm, compute, comm)
 
@@ -196,15 +197,16 @@ def test_products_beside_a_collective_leave_sms_free(strategy):
     assert carved == prog.carved > 0 and kept > 0
     assert [n.name for n in prog.gm.graph.nodes] == [n.name for n in plain.gm.graph.nodes]
     assert prog.counts() == plain.counts()
-    # the roofline predicts each carved product at its share of the SMs: slower by 1 / 0.8
-    from shardwise.costmodel.compute import Device, flops, node_time
+    # the roofline predicts each carved product slower by CARVE_STRETCH of what its share of the SMs
+    # (0.8) says: 1 + 0.4 * (1 / 0.8 - 1) = 1.1
+    from shardwise.costmodel.compute import CARVE_STRETCH, Device, flops, node_time
 
     dev = Device(name="test", flops=1e12, bandwidth=1e18)
     for n in prog.gm.graph.nodes:
         if n.meta.get("sm_share"):
             t = twins[n.name]
             assert flops(n) == flops(t) > 0
-            assert node_time(n, dev) == pytest.approx(node_time(t, dev) / 0.8)
+            assert node_time(n, dev) == pytest.approx(node_time(t, dev) * (1 + CARVE_STRETCH * (1 / 0.8 - 1)))
     # products predicted shorter than the threshold keep every SM
     assert _carved(strategy, min_s=1.5)[0].carved == 0
 

@@ -6,6 +6,7 @@ The analytic fallback of the cost model; measured per-node times replace it wher
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,12 @@ CARVE_STRETCH = 0.4
 """How much of the slowdown its SM count predicts a carved product shows. Sitting 7 (MoE 8x7B-8L on
 2xH200, bf16): its products took 1.06x, 1.07x, 1.13x, 1.28x as long with 16, 24, 32, 48 of 132 SMs
 left free, against 1.14x, 1.22x, 1.32x, 1.57x by SM count (fewer, fuller waves of tiles)."""
+
+
+VIEWS = frozenset({"view", "_unsafe_view", "view_as", "_reshape_alias", "alias", "detach", "t", "transpose", "permute",
+                   "expand", "expand_as", "slice", "select", "unsqueeze", "squeeze", "as_strided", "split",
+                   "split_with_sizes", "unbind", "narrow", "diagonal", "unflatten", "view_as_real", "view_as_complex"})
+"""ATen ops whose outputs are views of their inputs: no data moves."""
 
 
 def _numel(v) -> int:
@@ -71,10 +78,10 @@ def node_time(node: fx.Node, device: Device) -> float:
     if node.op != "call_function" or node.meta.get("sw") is not None:
         return 0.0
     name = str(node.target)
-    if "_c10d_functional" in name or not isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return 0.0  # collectives; Python helpers the passes insert (``keep_alive``) run no kernel
+    if "_c10d_functional" in name or node.target is operator.getitem or getattr(node.target, "sw_no_kernel", False):
+        return 0.0  # collectives, picks from a tuple, Python no-ops the passes insert (``keep_alive``)
     moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    if any(v in name for v in ("view", "alias", "detach", "t.default", "transpose", "permute", "expand", "slice", "getitem")):
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.__name__.split(".")[0] in VIEWS:
         moved = 0  # views move no data
     # a product beside a collective may use only its share of the SMs (passes/carveout.py): its
     # compute-bound time stretches (by CARVE_STRETCH of what its SM count says), its memory-bound time does not

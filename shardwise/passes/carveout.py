@@ -39,6 +39,12 @@ TILE = 128 * 128
 least one tile per SM is taken to fill every SM (persistent kernels keep them until they end)."""
 
 
+COMM_SMS = 32
+"""SMs a collective's kernels need to run at full speed beside a product. Sitting 7 (2xH200): NCCL's
+all-gather and reduce-scatter kernels launch 24 blocks, yet the MoE's gathers ran 1.6x longer beside
+products leaving 16 or 24 SMs free, and at full speed from 32."""
+
+
 @dataclass(frozen=True)
 class SMCarveout:
     """How products beside a collective share the SMs (``ShardContext.sm_carveout``)."""
@@ -50,12 +56,14 @@ class SMCarveout:
     collective, so the pass is seen at work)."""
     min_s: float = 0.0
     """Products predicted shorter than this keep every SM."""
-    need: int = 32
-    """SMs a collective's kernels need to run at full speed beside a product. Sitting 7 (2xH200,
-    NCCL 2.27): NCCL's ring kernels launch 24 blocks, yet the MoE's gathers ran 1.6x longer beside
-    products leaving 16 or 24 SMs free and at full speed only from 32."""
+    need: int = COMM_SMS
+    """SMs a collective's kernels need to run at full speed beside a product (``COMM_SMS``)."""
     auto: bool = False
     """Carve only where the contention model predicts a faster step (module docstring)."""
+
+    def __post_init__(self):
+        if not (0 < self.sms and 0 < self.need and (self.total == 0 or self.sms < self.total)):
+            raise ValueError(f"SMCarveout: need 0 < sms < total (or total 0 off CUDA) and need > 0, got {self}")
 
     @property
     def share(self) -> float:
