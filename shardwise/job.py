@@ -146,8 +146,8 @@ def compile(
     the next gather back. ``"auto"``: the cost model simulates the step with and without carving
     (32 SMs, what NCCL's kernels need on an H200), SM contention included, and carves only if that
     is predicted at least 2% faster; on CPU, on a torch without the carveout and on GPUs of 64 SMs or
-    fewer it never carves. With a number, on CPU every product
-    beside a collective is carved, and the carveout does nothing.
+    fewer it never carves. With a number, on CPU every product beside a collective is carved, and
+    the carveout does nothing.
 
     Example::
 
