@@ -267,7 +267,8 @@ def _options(system: str) -> dict:
         try:
             out[name] = kind(v)
         except ValueError:
-            raise ValueError(f"bench: bad value in {item!r} of {system!r}: {k} takes a number") from None
+            takes = "a number or auto" if k in ("host", "carveout") else "a number"
+            raise ValueError(f"bench: bad value in {item!r} of {system!r}: {k} takes {takes}") from None
     if system.startswith("deepcompile") and "ds_ratio" in out:
         raise ValueError(f"bench: {system!r}: ratio is a ZeRO-3 offload setting; deepcompile takes offload=1 only")
     return out

@@ -250,9 +250,8 @@ def _sm_carveout(sms, device: torch.device):
                          f"{torch.__version__} does not have: leave it at None")
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).multi_processor_count
-    need = COMM_SMS
     if auto:
-        return SMCarveout(need, total, CARVE_MIN_S, auto=True) if need < total // 2 else None
+        return SMCarveout(COMM_SMS, total, CARVE_MIN_S, auto=True) if COMM_SMS < total // 2 else None
     if sms >= total:
         raise ValueError(f"matmul_sm_carveout={sms} leaves no SM to the products: this device has {total}; "
                          f"pass fewer (NCCL's kernels take 16-32)")

@@ -177,7 +177,8 @@ def test_bench_rejects_unknown_systems_and_options():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise:speed=11", "--nproc",
                         "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert "bad option" in p.stderr + p.stdout
-    for bad, says in (("ddp:fused=yes", "fused takes a number"), ("fsdp2:ratio=1", "bad option")):
+    for bad, says in (("ddp:fused=yes", "fused takes a number"), ("fsdp2:ratio=1", "bad option"),
+                      ("shardwise:carveout=most", "carveout takes a number or auto")):
         p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", bad, "--nproc", "1",
                             "--size", "tiny"], capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and says in p.stderr + p.stdout, (bad, p.stderr[-400:])
