@@ -243,7 +243,7 @@ _OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb
             "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30)),
             "fused": ("fused_optimizer", lambda v: bool(int(v))),
             "overlap_update": ("overlap_update", lambda v: bool(int(v))),
-            "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else (int(v) or None))}
+            "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else None if v == "off" else (int(v) or None))}
 
 # options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
 _PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
@@ -267,7 +267,7 @@ def _options(system: str) -> dict:
         try:
             out[name] = kind(v)
         except ValueError:
-            takes = "a number or auto" if k in ("host", "carveout") else "a number"
+            takes = {"host": "a number or auto", "carveout": "a number, auto or off"}.get(k, "a number")
             raise ValueError(f"bench: bad value in {item!r} of {system!r}: {k} takes {takes}") from None
     if system.startswith("deepcompile") and "ds_ratio" in out:
         raise ValueError(f"bench: {system!r}: ratio is a ZeRO-3 offload setting; deepcompile takes offload=1 only")

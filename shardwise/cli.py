@@ -137,10 +137,12 @@ def _host_share(v: str):
 def _carveout_arg(v: str):
     if v == "auto":
         return v
+    if v in ("off", "0"):
+        return None
     try:
         return int(v)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of SMs, got {v!r}") from None
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or a number of SMs, got {v!r}") from None
 
 
 def _build_model(args, mesh, **overrides):
@@ -193,9 +195,10 @@ def _optimizer_args(p) -> None:
     p.add_argument("--overlap-update", action="store_true",
                    help="zero3: update in chunks in forward order, on CUDA on a stream of its own, the next "
                         "step's forward starting while later chunks update")
-    p.add_argument("--matmul-sm-carveout", type=_carveout_arg, default=None, metavar="SMS|auto",
-                   help="CUDA, experimental: matrix products running beside a collective leave SMS SMs free "
-                        "for its kernels (e.g. 32); auto: where the cost model predicts a faster step")
+    p.add_argument("--matmul-sm-carveout", type=_carveout_arg, default="auto", metavar="auto|SMS|off",
+                   help="CUDA: matrix products running beside a collective leave SMs free for its kernels; "
+                        "auto (default): 32 where the cost model predicts a faster step; SMS: that many "
+                        "wherever one runs beside a collective; off: every SM for the products")
 
 
 def _bench_parser(sub) -> None:

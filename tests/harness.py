@@ -92,6 +92,7 @@ def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = ()
     sd = job.full_state_dict()
     counts = job.programs()[0].counts()
     counts["carved"] = job.programs()[0].carved
+    counts["carve_choice"] = job.programs()[0].carve_choice
     return losses, sd, counts
 
 

@@ -178,7 +178,7 @@ def test_bench_rejects_unknown_systems_and_options():
                         "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
     assert "bad option" in p.stderr + p.stdout
     for bad, says in (("ddp:fused=yes", "fused takes a number"), ("fsdp2:ratio=1", "bad option"),
-                      ("shardwise:carveout=most", "carveout takes a number or auto")):
+                      ("shardwise:carveout=most", "carveout takes a number, auto or off")):
         p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", bad, "--nproc", "1",
                             "--size", "tiny"], capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and says in p.stderr + p.stdout, (bad, p.stderr[-400:])

@@ -273,3 +273,18 @@ def test_cuda_parity_nccl_ws2_sm_carveout(pools, name):
     finally:
         pool.run(harness.set_carve_min_s, old)
     assert check.counts["carved"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_parity_nccl_ws2_auto_carveout_by_default(pools):
+    # with no matmul_sm_carveout the cost model weighs carving 32 SMs (every product a candidate
+    # here) and keeps the faster program: it trains to single-device parity whichever it chose
+    pool = pools(2, "nccl")
+    old = pool.run(harness.set_carve_min_s, 0.0)[0]
+    try:
+        check(pools, "moe", "zero3", "fp64", 2, steps=3, device="cuda", backend="nccl",
+              loss_tol=1e-10, param_tol=1e-10)
+    finally:
+        pool.run(harness.set_carve_min_s, old)
+    before, after, carved = check.counts["carve_choice"]
+    assert before > 0 and after > 0 and carved == (check.counts["carved"] > 0), check.counts

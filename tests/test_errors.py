@@ -163,6 +163,21 @@ def test_plans_that_differ_across_ranks_stop_every_rank(pools):
 
 
 def test_bad_matmul_sm_carveout():
-    for bad in (0, -4, True, 2.5, "24"):
+    for bad in (0, -4, True, 2.5, "24", "Auto"):
         with pytest.raises(ValueError, match="matmul_sm_carveout must be a positive number of SMs"):
             job_for(harness.make_model("gpt", "fp32"), matmul_sm_carveout=bad)
+
+
+def test_matmul_sm_carveout_defaults_to_auto_which_never_carves_on_cpu():
+    import inspect
+
+    from shardwise.cli import _carveout_arg
+    from shardwise.passes.carveout import SMCarveout
+
+    assert inspect.signature(sw.compile).parameters["matmul_sm_carveout"].default == "auto"
+    # gloo's collectives take no SMs: the default carves nothing on CPU; a number is kept (inert)
+    assert job_for(harness.make_model("gpt", "fp32")).ctx.sm_carveout is None
+    assert job_for(harness.make_model("gpt", "fp32"), matmul_sm_carveout=16).ctx.sm_carveout == SMCarveout(16, 0)
+    assert [_carveout_arg(v) for v in ("auto", "off", "0", "24")] == ["auto", None, None, 24]
+    with pytest.raises(Exception, match="expected 'auto', 'off' or a number of SMs, got 'most'"):
+        _carveout_arg("most")
