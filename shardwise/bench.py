@@ -667,11 +667,12 @@ def _fmt_row(r: dict) -> str:
             f"pred step {f('pred_step_s', '.4f')} s  pred peak {f('pred_peak_mem_gb', '.3f')} GB  ({r['wall_s']} s)")
 
 
-def _label(r: dict) -> str:
-    """A row's system, with the communication settings it ran under where a command set any."""
+def _label(r: dict, common: frozenset = frozenset()) -> str:
+    """A row's system, with the communication settings it ran under where they differ from the
+    record's other rows (``common``: the (name, value) pairs every row shares)."""
     env = r.get("env") or {}
     extra = [f"{k.removeprefix('TORCH_')}={v}" for k, v in env.items()
-             if k not in ("NCCL_NVLS_ENABLE", "NCCL_DEBUG")]
+             if k not in ("NCCL_NVLS_ENABLE", "NCCL_DEBUG", "NCCL_VERSION") and (k, v) not in common]
     return r["system"] + ("\n" + " ".join(extra) if extra else "")
 
 
@@ -691,7 +692,8 @@ def plot(rec: dict, path: str) -> str:
         pk = r.get("peak_mem_gb")
         mem = "" if pk is None else (f"\n{pk:.2f} GB" if pk >= 1 else f"\n{pk * 1e3:.1f} MB")
         ax.text(x, r["tokens_per_s_per_gpu"], f"{r['step_s'] * 1e3:.0f} ms{mem}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(list(xs), [_label(r) for r in ok], rotation=20, fontsize=8)
+    common = frozenset.intersection(*(frozenset((r.get("env") or {}).items()) for r in ok)) if ok else frozenset()
+    ax.set_xticks(list(xs), [_label(r, common if len(ok) > 1 else frozenset()) for r in ok], rotation=20, fontsize=8)
     ax.set_ylim(0, 1.25 * max((r["tokens_per_s_per_gpu"] for r in ok), default=1))
     ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
     c = rec["config"]

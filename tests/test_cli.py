@@ -237,3 +237,9 @@ def test_bench_rows_name_the_nccl_settings_they_ran_under():
     assert _label({"system": "shardwise", "env": {"NCCL_NVLS_ENABLE": "0"}}) == "shardwise"
     lab = _label({"system": "shardwise:carveout=24", "env": {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HIGH_PRIORITY": "1"}})
     assert lab == "shardwise:carveout=24\nNCCL_HIGH_PRIORITY=1", lab
+    # what every row of a record shares (the image's NCCL_VERSION, say) is not repeated under each bar
+    env = {"NCCL_VERSION": "2.28.3-1", "NCCL_ASYNC_ERROR_HANDLING": "1"}
+    common = frozenset(env.items())
+    assert _label({"system": "fsdp2", "env": env}, common) == "fsdp2"
+    lab = _label({"system": "shardwise", "env": dict(env, TORCH_NCCL_HIGH_PRIORITY="1")}, common)
+    assert lab == "shardwise\nNCCL_HIGH_PRIORITY=1", lab

@@ -150,6 +150,7 @@ def test_cuda_host_update_matches_the_streamed_update():
     from harness import adamw, make_batch, make_model
 
     res = {}
+    init = make_model("llama", "fp32").state_dict()
     for share in (False, 0.5, "auto"):
         job = sw.compile(make_model("llama", "fp32").cuda(), optimizer=adamw, strategy="zero3",
                          mesh=sw.mesh(dp=1, device="cuda"), offload_optimizer="all", offload_chunk_mb=1 / 64,
@@ -160,7 +161,11 @@ def test_cuda_host_update_matches_the_streamed_update():
     assert res["auto"][2].host_rate > 0
     for share in (0.5, "auto"):
         assert res[share][0] == pytest.approx(res[False][0], rel=1e-3)
-        assert all(torch.allclose(res[share][1][k], res[False][1][k], rtol=1e-4, atol=1e-5) for k in res[False][1])
+        # the updates agree to 1e-3 of their size: the host's AdamW rounds differently from the
+        # GPU's, by how much depends on the host's vector units (7.9e-5 of a weight on one machine)
+        for k in res[False][1]:
+            a, b = (res[x][1][k].double().cpu() - init[k].double() for x in (False, share))
+            assert a.norm() > 0 and (a - b).norm() <= 1e-3 * a.norm(), (share, k, float((a - b).norm() / a.norm()))
 
 
 @needs_cuda

@@ -90,9 +90,13 @@ class MoEFFN(nn.Module):
         xe = rows.index_select(0, filler).view(e, cap, d)
         h = F.silu(torch.bmm(xe, self.w1)) * torch.bmm(xe, self.w3)
         ye = torch.cat([torch.bmm(h, self.w2).reshape(dump, d), x.new_zeros(1, d)])
-        # each pair gathers its expert's output (a dropped pair gets the zero row), weighted by its gate
-        out = ye.index_select(0, slot).view(k, n, d) * gate.reshape(n, k).t().unsqueeze(-1)
-        return out.sum(0).view(b, t, d)
+        # each token gathers its k pairs' expert outputs (a dropped pair gets the zero row), weighted
+        # by their gates. Token-major, so every operand and the backward's products are contiguous
+        # (choice-major, the backward's product of the expanded gradient and the transposed gates
+        # is laid out choice-inner, and a graph that views it as rows fails when run eagerly)
+        pair = slot.view(k, n).t().reshape(-1)
+        out = ye.index_select(0, pair).view(n, k, d) * gate.reshape(n, k, 1)
+        return out.sum(1).view(b, t, d)
 
 
 class MoEBlock(LlamaBlock):
