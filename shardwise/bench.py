@@ -386,6 +386,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         row["pred_step_s"] = pred["step_s"]
         # what the cost model chose for the step's program: in-flight cap (and the caps it weighed), buckets
         prog = job._compiled(batches[0], "step")[0]
+        if not prog.schedule and prog.carved:  # the unscheduled baseline, carving the SMs it was told to
+            row["carved_products"] = prog.carved
         if prog.schedule:
             row["schedule"] = {"max_in_flight_mb": prog.schedule["max_in_flight"] / 2**20,
                                "carved_products": prog.carved, "carve_choice": prog.carve_choice,
@@ -697,8 +699,10 @@ def plot(rec: dict, path: str) -> str:
     ax.set_ylim(0, 1.25 * max((r["tokens_per_s_per_gpu"] for r in ok), default=1))
     ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
     c = rec["config"]
+    shared = _label({"system": "", "env": dict(common)}).strip() if len(ok) > 1 else ""
     ax.set_title(f"{c['model']}/{c['size']} batch {c['batch']}x{c['seq'] or 'default'} {c['precision']} "
-                 f"ckpt={c['checkpoint']} ranks={c['ranks']}\n{rec['machine']}", fontsize=8)
+                 f"ckpt={c['checkpoint']} ranks={c['ranks']}\n{rec['machine']}"
+                 + (f"; every row: {shared}" if shared else ""), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -145,10 +145,11 @@ def compile(
     MoE's experts): there a product that takes every SM holds the next gather back. ``"auto"`` (the
     default): the cost model simulates the step with and without carving 32 SMs (what NCCL's
     kernels need on an H200), SM contention included, and carves only if that is predicted at least
-    2% faster; on CPU, on a torch without the carveout and on GPUs of 64 SMs or fewer it never
-    carves. On two H200s it carved the Mixtral-shape MoE (0.294 s against 0.307 s) and left the 8B
-    shape whole. A number carves that many SMs wherever a product runs beside a collective (on CPU
-    too, where it does nothing); ``None`` keeps every SM for the products.
+    2% faster. It carves only over NCCL, with ``schedule`` on, on NVIDIA GPUs from Hopper on with
+    more than 64 SMs and a torch that has the carveout (it was measured on H200s). On two H200s it
+    carved the Mixtral-shape MoE (4.1-4.2% faster than every SM) and left the 8B shape whole (24 SMs
+    carved had measured 0.9% slower there). A number carves that many SMs wherever a product runs
+    beside a collective (on CPU too, where it does nothing); ``None`` keeps every SM for the products.
 
     Example::
 
@@ -184,7 +185,7 @@ def compile(
         raise ValueError(f"max_in_flight_mb must be positive or None, got {max_in_flight_mb!r}")
     if mesh is None:
         mesh = make_mesh()
-    sm_carveout = _sm_carveout(matmul_sm_carveout, mesh.device)
+    sm_carveout = _sm_carveout(matmul_sm_carveout, mesh.device, dist.get_backend(mesh.group), bool(schedule))
     if offload_optimizer not in (False, True, "all"):
         raise ValueError(f"offload_optimizer must be False, True (keep what fits on the device) or 'all', "
                          f"got {offload_optimizer!r}")
@@ -231,7 +232,7 @@ CARVE_MIN_S = 20e-6
 """Products predicted shorter than this keep every SM (a carved call costs ~10 µs on the host)."""
 
 
-def _sm_carveout(sms, device: torch.device):
+def _sm_carveout(sms, device: torch.device, backend: str = "nccl", schedule: bool = True):
     """``matmul_sm_carveout`` checked, as the carveout pass's settings (passes/carveout.py)."""
     from .passes.carveout import COMM_SMS, SMCarveout
 
@@ -244,15 +245,22 @@ def _sm_carveout(sms, device: torch.device):
     if device.type != "cuda":
         # gloo's collectives take no SMs: "auto" never carves; a number carves, inert, to show the pass at work
         return None if auto else SMCarveout(sms, 0)
+    if auto and (backend != "nccl" or not schedule or torch.version.hip is not None):
+        # gloo's collectives run on the host; the unscheduled baseline keeps every choice at its plain
+        # setting; the contention model was measured on NVIDIA's cuBLAS and NCCL
+        return None
     if not (hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch.backends.cuda, "preferred_blas_library")):
         if auto:
             return None
         raise ValueError(f"matmul_sm_carveout needs torch's experimental SM carveout and cuBLASLt, which torch "
                          f"{torch.__version__} does not have: leave it at None")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).multi_processor_count
+    props = torch.cuda.get_device_properties(index)
+    total = props.multi_processor_count
     if auto:
-        return SMCarveout(COMM_SMS, total, CARVE_MIN_S, auto=True) if COMM_SMS < total // 2 else None
+        # measured on Hopper, whose persistent products hold every SM; a GPU of 2 x COMM_SMS SMs or
+        # fewer would give the collective half of them or more
+        return SMCarveout(COMM_SMS, total, CARVE_MIN_S, auto=True) if props.major >= 9 and total > 2 * COMM_SMS else None
     if sms >= total:
         raise ValueError(f"matmul_sm_carveout={sms} leaves no SM to the products: this device has {total}; "
                          f"pass fewer (NCCL's kernels take 16-32)")

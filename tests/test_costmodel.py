@@ -521,6 +521,29 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
     assert _sm_carveout(16, torch.device("cpu")) == SMCarveout(16, 0) and SMCarveout(16, 0).share == 1.0
 
 
+def test_auto_carveout_is_on_only_where_it_was_measured(monkeypatch):
+    # "auto" carves over NCCL on Hopper-class NVIDIA GPUs of more than 64 SMs, with the scheduler on;
+    # anywhere else it keeps every SM, while a number is honoured wherever the API exists
+    import types
+
+    from shardwise.job import CARVE_MIN_S, _sm_carveout
+
+    gpu = {"major": 9, "multi_processor_count": 132}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(**gpu))
+    cuda = torch.device("cuda", 0)
+    assert _sm_carveout("auto", cuda, "nccl") == SMCarveout(32, 132, CARVE_MIN_S, auto=True)
+    assert _sm_carveout("auto", cuda, "gloo") is None  # several ranks on one GPU over gloo
+    assert _sm_carveout("auto", cuda, "nccl", schedule=False) is None  # the unscheduled baseline
+    assert _sm_carveout(24, cuda, "gloo", schedule=False) == SMCarveout(24, 132, CARVE_MIN_S)
+    gpu["major"] = 8  # an A100: not measured
+    assert _sm_carveout("auto", cuda, "nccl") is None and _sm_carveout(24, cuda).sms == 24
+    gpu.update(major=9, multi_processor_count=64)
+    assert _sm_carveout("auto", cuda, "nccl") is None
+    gpu["multi_processor_count"] = 132
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert _sm_carveout("auto", cuda, "nccl") is None
+
+
 def test_roofline_counts_no_time_for_views_and_python_helpers():
     # detach is a view; keep_alive (passes/schedule.py) is a Python no-op: neither runs a kernel
     from shardwise.passes.schedule import keep_alive

@@ -283,7 +283,13 @@ def test_cuda_parity_nccl_ws2_sm_carveout(pools, name):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_cuda_parity_nccl_ws2_auto_carveout_by_default(pools):
     # with no matmul_sm_carveout the cost model weighs carving 32 SMs (every product a candidate
-    # here) and keeps the faster program: it trains to single-device parity whichever it chose
+    # here) and keeps the program it predicts faster: the decision is taken and recorded, and the
+    # job trains to single-device parity. (The test model's products are too small to fill the SMs,
+    # so the model keeps them whole; the carved path's parity is the test above.)
+    from shardwise.job import _sm_carveout
+
+    if _sm_carveout("auto", torch.device("cuda", 0)) is None:
+        pytest.skip("auto does not carve on this GPU or torch (Hopper-class, > 64 SMs, the carveout API)")
     pool = pools(2, "nccl")
     old = pool.run(harness.set_carve_min_s, 0.0)[0]
     try:
