@@ -7,6 +7,9 @@ math decomposition instead, a graph the GPU never runs).
 
     python bench/carve_decision.py moe 8x7b-8l 1 bench/results/2026-11-30-h200x2-sitting7-link-nccl-ws2.json
     python bench/carve_decision.py llama 8b 2 bench/results/2026-11-30-h200x2-sitting7-link-nccl-ws2.json
+
+A fifth argument shards over that many ranks instead of 2 (the link profile's α-β times then taken
+at that many ranks).
 """
 
 import sys
@@ -47,10 +50,13 @@ def main(name: str, size: str, batch: int, link: str, ws: int = 2) -> None:
                        sm_carveout=SMCarveout(32, 132, 20e-6, auto=True))
     prog = shard_step(cap, "zero3", ctx)
     plain, carved, keep = prog.carve_choice
+    tl = simulate(prog.gm, compute, comm)
+    print(f"{name} {size} on {ws} ranks, the program chosen: predicted graph {tl.step_s * 1e3:.1f} ms, exposed "
+          f"communication {tl.exposed_pct:.1f}% (without SM contention), cap {prog.schedule['max_in_flight'] / 2**20:.0f} MiB")
     print(f"{name} {size} batch {batch}x{seq} on {ws} H200s: predicted graph {plain * 1e3:.1f} ms uncarved, "
           f"{carved * 1e3:.1f} ms with 32 SMs carved out of the products beside a collective: "
           + (f"carve ({prog.carved} products)" if keep else "do not carve"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *(int(a) for a in sys.argv[5:6]))
