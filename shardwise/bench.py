@@ -386,8 +386,6 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         row["pred_step_s"] = pred["step_s"]
         # what the cost model chose for the step's program: in-flight cap (and the caps it weighed), buckets
         prog = job._compiled(batches[0], "step")[0]
-        if not prog.schedule and prog.carved:  # the unscheduled baseline, carving the SMs it was told to
-            row["carved_products"] = prog.carved
         if prog.schedule:
             row["schedule"] = {"max_in_flight_mb": prog.schedule["max_in_flight"] / 2**20,
                                "carved_products": prog.carved, "carve_choice": prog.carve_choice,
@@ -398,6 +396,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
                 print(f"{system}: in-flight cap {row['schedule']['max_in_flight_mb']:.1f} MiB"
                       + (f"; caps weighed: {prog.schedule['cap_choice']}" if prog.schedule.get("cap_choice") else ""),
                       flush=True)
+        elif prog.carved:  # the unscheduled baseline, carving the SMs it was told to
+            row["carved_products"] = prog.carved
         # the plan the timed steps run (offload: with the state the warm-up found room for)
         mem = job.predict_memory(batches[0])
         row["pred_peak_mem_gb"] = mem["peak"] / 1e9
@@ -669,12 +669,17 @@ def _fmt_row(r: dict) -> str:
             f"pred step {f('pred_step_s', '.4f')} s  pred peak {f('pred_peak_mem_gb', '.3f')} GB  ({r['wall_s']} s)")
 
 
+def _settings(env: dict, common: frozenset = frozenset()) -> list[str]:
+    """The communication settings of ``env`` worth naming on a plot: not the ones every run sets
+    alike (NVLS off, debug, the library's version), nor those in ``common``."""
+    return [f"{k.removeprefix('TORCH_')}={v}" for k, v in env.items()
+            if k not in ("NCCL_NVLS_ENABLE", "NCCL_DEBUG", "NCCL_VERSION") and (k, v) not in common]
+
+
 def _label(r: dict, common: frozenset = frozenset()) -> str:
     """A row's system, with the communication settings it ran under where they differ from the
     record's other rows (``common``: the (name, value) pairs every row shares)."""
-    env = r.get("env") or {}
-    extra = [f"{k.removeprefix('TORCH_')}={v}" for k, v in env.items()
-             if k not in ("NCCL_NVLS_ENABLE", "NCCL_DEBUG", "NCCL_VERSION") and (k, v) not in common]
+    extra = _settings(r.get("env") or {}, common)
     return r["system"] + ("\n" + " ".join(extra) if extra else "")
 
 
@@ -694,12 +699,14 @@ def plot(rec: dict, path: str) -> str:
         pk = r.get("peak_mem_gb")
         mem = "" if pk is None else (f"\n{pk:.2f} GB" if pk >= 1 else f"\n{pk * 1e3:.1f} MB")
         ax.text(x, r["tokens_per_s_per_gpu"], f"{r['step_s'] * 1e3:.0f} ms{mem}", ha="center", va="bottom", fontsize=7)
-    common = frozenset.intersection(*(frozenset((r.get("env") or {}).items()) for r in ok)) if ok else frozenset()
-    ax.set_xticks(list(xs), [_label(r, common if len(ok) > 1 else frozenset()) for r in ok], rotation=20, fontsize=8)
+    # settings every row shares go in the title (with one row: under its bar)
+    common = (frozenset.intersection(*(frozenset((r.get("env") or {}).items()) for r in ok))
+              if len(ok) > 1 else frozenset())
+    ax.set_xticks(list(xs), [_label(r, common) for r in ok], rotation=20, fontsize=8)
     ax.set_ylim(0, 1.25 * max((r["tokens_per_s_per_gpu"] for r in ok), default=1))
     ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
     c = rec["config"]
-    shared = _label({"system": "", "env": dict(common)}).strip() if len(ok) > 1 else ""
+    shared = " ".join(_settings(dict(common)))
     ax.set_title(f"{c['model']}/{c['size']} batch {c['batch']}x{c['seq'] or 'default'} {c['precision']} "
                  f"ckpt={c['checkpoint']} ranks={c['ranks']}\n{rec['machine']}"
                  + (f"; every row: {shared}" if shared else ""), fontsize=8)

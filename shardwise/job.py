@@ -1055,10 +1055,6 @@ class Job:
                  f"optimizer: {optimizer_kind(self.optimizer)}"]
         for (sig, mode), (prog, _) in self._programs.items():
             c = prog.counts()
-
-            def comm(n, ws=self.ws):
-                return lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], ws)
-
             tl, src = self._timeline(prog.gm, self._node_times.get((sig, mode)))
             lines.append(
                 f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
@@ -1139,7 +1135,7 @@ class Job:
                 sw = n.meta["sw"]
                 p = sw.get("param")
                 p = ",".join(p) if isinstance(p, list) else (p or "")
-                lines.append(f"  {sw['kind']:15s} {sw['phase']:5s} {sw['bytes'] / 1024:8.1f}KiB {comm(n) * 1e6:9.1f}  {p[:60]}")
+                lines.append(f"  {sw['kind']:15s} {sw['phase']:5s} {sw['bytes'] / 1024:8.1f}KiB {self._comm_time(n) * 1e6:9.1f}  {p[:60]}")
         lines.append("placements (dp axis) and memory decisions:")
         kept = set(self.ctx.keep_gathered)
         for prog in self.programs():
