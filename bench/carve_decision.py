@@ -1,7 +1,8 @@
 """What ``matmul_sm_carveout="auto"`` decides for a built-in model on two H200s, computed on a CPU.
 
 The step is captured on fake tensors with the weights on the meta device (no memory for them), sharded
-zero3 over 2 ranks, and the carveout pass asked to choose with the H200 roofline and a link profile.
+zero3 over 2 ranks, and the carveout pass asked to choose with a job's cost model (the H200 roofline,
+the link profile given).
 Attention is traced as the flash-attention op CUDA runs (on the meta device torch would trace its
 math decomposition instead, a graph the GPU never runs).
 
@@ -16,9 +17,8 @@ import sys
 
 import torch
 
-from shardwise.capture.trace import capture_step
-from shardwise.costmodel import DEVICES, liveness, node_time, simulate
-from shardwise.costmodel.collectives import LinkProfile
+from shardwise.capture import capture_step
+from shardwise.costmodel import CostModel
 from shardwise.models import build
 from shardwise.passes import ShardContext, shard_step
 from shardwise.passes.carveout import SMCarveout
@@ -37,20 +37,13 @@ def main(name: str, size: str, batch: int, link: str, ws: int = 2) -> None:
     seq = model.cfg.seq
     tokens = torch.empty((batch, seq), dtype=torch.long, device="meta")
     cap = capture_step(model, (tokens, tokens), param_dtype=torch.bfloat16, device=torch.device("meta"))
-    dev, lp = DEVICES["h200"], LinkProfile.load(link)
-
-    def comm(n):
-        return lp.time(n.meta["sw"]["kind"], n.meta["sw"]["full_bytes"], ws)
-
-    def compute(n):
-        return node_time(n, dev)
-
-    ctx = ShardContext(ws, "g", param_dtype=torch.bfloat16, schedule=True, shard_bucket_bytes="auto", node_time=compute,
-                       comm_time=comm, estimate=lambda gm: (simulate(gm, compute, comm).step_s, liveness(gm).peak),
+    # the cost model of a job on one H200 of that machine, as the job builds it (the FX executor's liveness)
+    cost = CostModel.for_job(link, "cuda", "nccl", "NVIDIA H200")
+    ctx = ShardContext(ws, "g", cost=cost, param_dtype=torch.bfloat16, schedule=True, shard_bucket_bytes="auto",
                        sm_carveout=SMCarveout(32, 132, 20e-6, auto=True))
     prog = shard_step(cap, "zero3", ctx)
     plain, carved, keep = prog.carve_choice
-    tl = simulate(prog.gm, compute, comm)
+    tl = cost.simulate(prog.gm)
     print(f"{name} {size} on {ws} ranks, the program chosen: predicted graph {tl.step_s * 1e3:.1f} ms, exposed "
           f"communication {tl.exposed_pct:.1f}% (without SM contention), cap {prog.schedule['max_in_flight'] / 2**20:.0f} MiB")
     print(f"{name} {size} batch {batch}x{seq} on {ws} H200s: predicted graph {plain * 1e3:.1f} ms uncarved, "

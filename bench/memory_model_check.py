@@ -20,7 +20,7 @@ import torch
 
 import shardwise as sw
 from shardwise.costmodel import liveness
-from shardwise.costmodel.memory import _step_temporaries
+from shardwise.costmodel.optimizer import step_temporaries
 from shardwise.runtime.launch import spawn
 
 
@@ -45,7 +45,7 @@ def inductor() -> None:
         x = torch.randint(0, 4000, (2, 256))
         job.step((x, x))
         measured = inductor_wrapper_peak(lambda: job.step((x, x)))["peak"]
-        model_peak = liveness(job._compiled((x, x), "step")[0].gm, fused=True).peak
+        model_peak = liveness(job.compiled((x, x)).program.gm, fused=True).peak
         print(f"{name} {'bf16' if bf16 else 'fp32'} {strategy}{' checkpointed' if over else ''}: inductor "
               f"{measured / 2**20:.2f} MiB, model {model_peak / 2**20:.2f} MiB ({model_peak / measured - 1:+.1%})",
               flush=True)
@@ -60,11 +60,11 @@ def _repredict(budget_gb: float, checkpoint: bool) -> None:
     job = sw.compile(model, optimizer=_adamw, strategy="zero3", mesh=sw.mesh(), compile="inductor",
                      mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16), **kw)
     x = torch.randint(0, model.cfg.vocab, (4, 2048))
-    prog, _ = job._compiled((x, x), "step")
+    prog, _ = job.compiled((x, x))
     graph = liveness(prog.gm, fused=True, cpu_code=False)
     resident = sum(job.resident_bytes().values())
     shards = [p.numel() * p.element_size() for g in job.optimizer.param_groups for p in g["params"]]
-    step = graph.outputs + _step_temporaries(shards, {"foreach": True}, "cuda")  # the gradients + one list
+    step = graph.outputs + step_temporaries(shards, {"foreach": True}, "cuda")  # the gradients + one list
     if dist.get_rank() == 0:
         what = f"ws={dist.get_world_size()} zero3" + (f" budget_gb={budget_gb:g}" if budget_gb else "") \
             + (" checkpointed" if checkpoint else "")

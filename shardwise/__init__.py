@@ -13,8 +13,31 @@ Example::
 """
 
 from . import models
-from .job import Job, MixedPrecision, compile
+from .config import MixedPrecision
+from .errors import BatchMismatchError, BudgetError, CaptureError, MeshError, PlanMismatchError, ShardwiseError
+from .job import Job, compile
 from .runtime.mesh import Mesh, mesh
+from .sharding import Partial, Replicate, Shard
 
 __version__ = "0.1.0"
-__all__ = ["Job", "Mesh", "MixedPrecision", "compile", "mesh", "models"]
+__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "Job", "Mesh", "MeshError", "MixedPrecision",
+           "Partial", "PlanMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan"]
+
+
+def plan(model: str, cluster: str, **strategy):
+    """Predict one training step of ``model`` (a preset or a Hugging Face config.json) on ``cluster``
+    (e.g. ``"dgx-h100:32"``) under a strategy (planner.Strategy's fields: tp, pp, zero, micro_batch,
+    global_batch, seq, recompute, ...), without a GPU: step time, memory per GPU, tokens/s, MFU.
+
+    Example::
+
+        >>> import shardwise as sw
+        >>> est = sw.plan("llama3-8b", "dgx-h100:1", zero=3, micro_batch=1, seq=8192)
+        >>> est.gpus, est.fits
+        (8, True)
+    """
+    from .planner.clusters import cluster as make_cluster
+    from .planner.estimate import Strategy, estimate
+    from .planner.models import model as make_model
+
+    return estimate(make_model(model), make_cluster(cluster), Strategy(**strategy))

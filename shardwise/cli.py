@@ -134,7 +134,7 @@ def _host_share(v: str):
     return f or False
 
 
-def _carveout_arg(v: str):
+def carveout_arg(v: str):
     if v == "auto":
         return v
     if v in ("off", "0"):
@@ -195,7 +195,7 @@ def _optimizer_args(p) -> None:
     p.add_argument("--overlap-update", action="store_true",
                    help="zero3: update in chunks in forward order, on CUDA on a stream of its own, the next "
                         "step's forward starting while later chunks update")
-    p.add_argument("--matmul-sm-carveout", type=_carveout_arg, default="auto", metavar="auto|SMS|off",
+    p.add_argument("--matmul-sm-carveout", type=carveout_arg, default="auto", metavar="auto|SMS|off",
                    help="CUDA: matrix products running beside a collective leave SMs free for its kernels; "
                         "auto (default): 32 where the cost model predicts a faster step; SMS: that many "
                         "wherever one runs beside a collective; off: every SM for the products")
@@ -286,7 +286,7 @@ def calibrate_main(args) -> None:
         s *= 4
     if len(sizes) < 2:
         raise SystemExit("calibrate: --max-bytes must be at least 4x --min-bytes (two sizes are needed to fit)")
-    prof, samples = calibrate(mesh.group, mesh.device, sizes, args.iters, torch.float32, args.name)
+    prof, samples = calibrate(mesh.group("dp"), mesh.device, sizes, args.iters, torch.float32, args.name)
     if dist.get_rank() == 0:
         prof.save(args.out)
         for k, rows in samples.items():
@@ -361,7 +361,7 @@ def train_main(args) -> None:
     else:
         data = SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed)
     n = sum(p.numel() for p in model.parameters())
-    from shardwise.passes.unshard import BudgetError
+    from shardwise.errors import BudgetError
 
     plan = None
     if args.grad_accum == 1:
@@ -390,7 +390,7 @@ def train_main(args) -> None:
             parts = ([f"{_fmt_bytes(st.host_bytes())} on the host (streamed)"] if st.host_bytes() else []) + \
                 ([f"{_fmt_bytes(st.device_bytes())} on the device"] if st.device_bytes() else [])
             extra += "; optimizer state " + ", ".join(parts) + (
-                " (the first steps' measured peak decides what stays on the device)" if job._residency_pending else "")
+                " (the first steps' measured peak decides what stays on the device)" if job.plan.residency_pending else "")
         print(f"plan: predicted peak {_fmt_bytes(plan['peak'])} per rank{extra}", flush=True)
     peak, peak_step, first = None, None, None
     exposed, pred_ms = None, None

@@ -97,11 +97,11 @@ def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = ()
 
 
 def set_carve_min_s(v: float) -> float:
-    """Set the shortest product the carveout carves on this rank (``shardwise.job.CARVE_MIN_S``);
+    """Set the shortest product the carveout carves on this rank (``passes.carveout.CARVE_MIN_S``);
     returns what it was. The test models' products take a few µs on a GPU, under the default."""
-    import shardwise.job as j
+    from shardwise.passes import carveout
 
-    old, j.CARVE_MIN_S = j.CARVE_MIN_S, v
+    old, carveout.CARVE_MIN_S = carveout.CARVE_MIN_S, v
     return old
 
 
@@ -406,8 +406,8 @@ def overlapped_update_prediction():
                      overlap_update=True)
     b = make_batch("llama", 0, dist.get_rank())
     job.step(b)
-    job._upd = "a CUDA stream"  # only the prediction reads it here
-    prog, _ = job._compiled(b, "step")
+    job.updater.stream = "a CUDA stream"  # only the prediction reads it here
+    prog, _ = job.compiled(b)
     tl = job.predict_step(b)["timeline"]
     # idle: the part of the time to the forward's end that the compute lane is not busy
     seen = {n.name for n in forward_nodes(prog.gm)}
@@ -418,7 +418,7 @@ def overlapped_update_prediction():
         job.last_optimizer_s = opt
         pred = job.predict_step(b)
         out.append((opt, pred["step_s"], pred["graph_s"]))
-    job._upd = None
+    job.updater.stream = None
     return idle, out
 
 
@@ -498,11 +498,11 @@ def replan_run(budget, under):
     measured peak of a step after the re-plan)."""
     import dataclasses
 
-    import shardwise.costmodel as cm
+    from shardwise.costmodel import CostModel
     from shardwise.runtime.memory import measure
 
-    true = cm.liveness
-    cm.liveness = lambda gm, **kw: dataclasses.replace(true(gm, **kw), peak=true(gm, **kw).peak - under)
+    true = CostModel.liveness
+    CostModel.liveness = lambda self, gm: dataclasses.replace(true(self, gm), peak=true(self, gm).peak - under)
     try:
         job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
                          memory_budget=budget)
@@ -514,7 +514,7 @@ def replan_run(budget, under):
         after = job.programs()[0].unsharded
         _, peak = measure(job, lambda: job.step(b))
     finally:
-        cm.liveness = true
+        CostModel.liveness = true
     assert job.recompiles_avoided == 0  # the plan changed: compiled again
     return job.replans, before, after, peak
 

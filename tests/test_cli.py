@@ -205,41 +205,41 @@ def test_bench_reads_dynamo_recompilation_reasons():
     # a system that keeps recompiling (DeepCompile did, in two GPU sittings) shows why in its row
     import torch
 
-    from shardwise.bench import _recompile_reasons
+    from shardwise.bench import recompile_reasons
 
     torch._dynamo.reset()
     f = torch.compile(lambda x: x * 2, backend="eager")
     seen: dict = {}
     f(torch.ones(3))
-    assert _recompile_reasons(seen) == []
+    assert recompile_reasons(seen) == []
     f(torch.ones(3, dtype=torch.float64))  # a dtype guard fails: compiled again
-    new = _recompile_reasons(seen)
+    new = recompile_reasons(seen)
     assert len(new) == 1 and "dtype" in new[0], new
-    assert _recompile_reasons(seen) == []  # each reason once
+    assert recompile_reasons(seen) == []  # each reason once
     torch._dynamo.reset()
 
 
 def test_bench_rows_get_their_share_above_the_no_communication_ceiling():
-    from shardwise.bench import _over_ceiling
+    from shardwise.bench import over_ceiling
 
     rows = [{"system": "shardwise", "step_s": 0.125}, {"system": "compile", "step_s": 0.1},
             {"system": "deepspeed", "error": "not installed"}]
-    assert _over_ceiling(rows)
+    assert over_ceiling(rows)
     assert rows[0]["over_ceiling_pct"] == pytest.approx(20.0)
     assert "over_ceiling_pct" not in rows[1] and "over_ceiling_pct" not in rows[2]
-    assert not _over_ceiling([{"system": "ddp", "step_s": 0.2}])  # no ceiling in the record: nothing added
+    assert not over_ceiling([{"system": "ddp", "step_s": 0.2}])  # no ceiling in the record: nothing added
 
 
 def test_bench_rows_name_the_nccl_settings_they_ran_under():
-    from shardwise.bench import _label
+    from shardwise.bench import label
 
-    assert _label({"system": "shardwise"}) == "shardwise"
-    assert _label({"system": "shardwise", "env": {"NCCL_NVLS_ENABLE": "0"}}) == "shardwise"
-    lab = _label({"system": "shardwise:carveout=24", "env": {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HIGH_PRIORITY": "1"}})
+    assert label({"system": "shardwise"}) == "shardwise"
+    assert label({"system": "shardwise", "env": {"NCCL_NVLS_ENABLE": "0"}}) == "shardwise"
+    lab = label({"system": "shardwise:carveout=24", "env": {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_HIGH_PRIORITY": "1"}})
     assert lab == "shardwise:carveout=24\nNCCL_HIGH_PRIORITY=1", lab
     # what every row of a record shares (the image's NCCL_VERSION, say) is not repeated under each bar
     env = {"NCCL_VERSION": "2.28.3-1", "NCCL_ASYNC_ERROR_HANDLING": "1"}
     common = frozenset(env.items())
-    assert _label({"system": "fsdp2", "env": env}, common) == "fsdp2"
-    lab = _label({"system": "shardwise", "env": dict(env, TORCH_NCCL_HIGH_PRIORITY="1")}, common)
+    assert label({"system": "fsdp2", "env": env}, common) == "fsdp2"
+    lab = label({"system": "shardwise", "env": dict(env, TORCH_NCCL_HIGH_PRIORITY="1")}, common)
     assert lab == "shardwise\nNCCL_HIGH_PRIORITY=1", lab

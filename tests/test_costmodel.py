@@ -10,17 +10,19 @@ import torch
 
 from test_graph import captured, sw_nodes
 from shardwise.costmodel import DEVICES, PRESETS, LinkProfile, bus_factor, fit, flops, node_time, simulate
+from shardwise.sharding.collective import Collective, mark
+from shardwise.costmodel import CostModel
 from shardwise.passes import CAP_FACTORS, CAP_TIE, ShardContext, shard_step
 from shardwise.passes import schedule as sched
 from shardwise.passes.carveout import SMCarveout
 
 
 def test_alpha_beta_matches_the_ring_formula():
-    p = PRESETS["h200-nv18-x2"]
+    p = PRESETS["h200-nv18-x2"]  # `shardwise calibrate` over NCCL on our 2 H200s (2026-11-30)
     gib = 2**30
-    # all-gather of 1 GiB over 2 ranks moves (n-1)/n of it at 266 GB/s bus bandwidth
-    assert p.time("all_gather", gib, 2) == pytest.approx(32e-6 + gib * 0.5 / 266e9)
-    assert p.time("all_reduce", gib, 2) == pytest.approx(32e-6 + gib * 1.0 / 328e9)
+    # all-gather of 1 GiB over 2 ranks moves (n-1)/n of it at 279.5 GB/s bus bandwidth
+    assert p.time("all_gather", gib, 2) == pytest.approx(71.72e-6 + gib * 0.5 / 279.51e9)
+    assert p.time("all_reduce", gib, 2) == pytest.approx(75.69e-6 + gib * 1.0 / 290.22e9)
     assert bus_factor("reduce_scatter", 8) == pytest.approx(7 / 8) and bus_factor("all_reduce", 8) == pytest.approx(1.75)
     assert p.time("all_reduce", gib, 1) == 0.0
 
@@ -102,7 +104,7 @@ def test_auto_buckets_pick_the_fastest_size_within_the_peak_slack():
     _, cap = captured("llama")
     per_param = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True))
     prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, shard_bucket_bytes="auto",
-                                                 estimate=_count_estimator(1.0), bucket_peak_slack=100.0))
+                                                 cost=CostModel.custom(estimate=_count_estimator(1.0)), bucket_peak_slack=100.0))
     rows = prog.bucket_choice
     assert rows[0][0] == 0 and sum(r[3] for r in rows) == 1
     chosen = next(r for r in rows if r[3])
@@ -111,13 +113,13 @@ def test_auto_buckets_pick_the_fastest_size_within_the_peak_slack():
     assert len(sw_nodes(prog.gm)) == chosen[1]
     # a tight peak slack rules out buckets that raise the peak: only sizes within it can be chosen
     tight = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, shard_bucket_bytes="auto",
-                                                  estimate=_count_estimator(1.0), bucket_peak_slack=1.0))
+                                                  cost=CostModel.custom(estimate=_count_estimator(1.0)), bucket_peak_slack=1.0))
     base = tight.bucket_choice[0][2]
     c = next(r for r in tight.bucket_choice if r[3])
     assert c[2] <= base
     # deterministic: the same graph gives the same choice and code
     again = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, shard_bucket_bytes="auto",
-                                                  estimate=_count_estimator(1.0), bucket_peak_slack=100.0))
+                                                  cost=CostModel.custom(estimate=_count_estimator(1.0)), bucket_peak_slack=100.0))
     assert again.gm.code == prog.gm.code
 
 
@@ -133,7 +135,7 @@ def _gather_bound_moe():
         return 1.0 / n.meta.get("sm_share", 1.0) if "mm" in str(n.target) else 0.0
 
     def comm(n):
-        return sched._payload(n) / 3000
+        return sched.payload(n) / 3000
 
     def est(gm):
         return simulate(gm, compute, comm).step_s, liveness(gm).peak
@@ -148,9 +150,9 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
     from shardwise.costmodel import liveness
 
     cap, est, _, _ = _gather_bound_moe()
-    prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0))
+    prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, cost=CostModel.custom(estimate=est), bucket_peak_slack=100.0))
     rows = prog.schedule["cap_choice"]
-    largest = max(sched._payload(s) for s in sw_nodes(prog.gm))
+    largest = max(sched.payload(s) for s in sw_nodes(prog.gm))
     assert [r[0] for r in rows] == [k * largest for k in CAP_FACTORS] and sum(r[3] for r in rows) == 1
     chosen = next(r for r in rows if r[3])
     # the smallest cap predicted within CAP_TIE of the fastest
@@ -162,25 +164,25 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
     assert sum(prog.schedule["prefetched"].values()) > sum(two.schedule["prefetched"].values())
     assert est(prog.gm) == (chosen[1], chosen[2]) and est(two.gm) == (rows[0][1], rows[0][2])
     # no memory to spare: a cap that raises the predicted peak is shown but not chosen
-    tight = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=1.0))
+    tight = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, cost=CostModel.custom(estimate=est), bucket_peak_slack=1.0))
     t_rows = tight.schedule["cap_choice"]
     assert all(r[2] <= t_rows[0][2] for r in t_rows if r[3]) and t_rows[-1][2] > t_rows[0][2]
     # gloo (one collective at a time) and an explicit cap are not swept
     for kw in ({"max_ops_in_flight": 1}, {"max_in_flight": 4 * largest}):
-        fixed = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, **kw))
+        fixed = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, cost=CostModel.custom(estimate=est), **kw))
         assert "cap_choice" not in fixed.schedule
     # predicted times equal but for rounding: the smallest cap, not a larger peak for nothing
     flat = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, bucket_peak_slack=100.0,
-                                                 estimate=lambda gm: (1.0 - 1e-12 * liveness(gm).peak,
-                                                                      liveness(gm).peak)))
+                                                 cost=CostModel.custom(estimate=lambda gm: (
+                                                     1.0 - 1e-12 * liveness(gm).peak, liveness(gm).peak))))
     assert flat.schedule["cap_choice"][0][3] and flat.gm.code == two.gm.code
     # a predicted gain below CAP_TIE (1% per doubling, as measured runs showed to be noise) keeps the smallest
     small = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, bucket_peak_slack=100.0,
-                                                  estimate=lambda gm: (1.0 - 0.01 * (gm.code != two.gm.code),
-                                                                       liveness(gm).peak)))
+                                                  cost=CostModel.custom(estimate=lambda gm: (
+                                                      1.0 - 0.01 * (gm.code != two.gm.code), liveness(gm).peak))))
     assert small.schedule["cap_choice"][0][3] and small.gm.code == two.gm.code
     # with auto buckets (the default): buckets chosen, then the cap swept once, the same every time
-    auto = [shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, estimate=est, shard_bucket_bytes="auto",
+    auto = [shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, cost=CostModel.custom(estimate=est), shard_bucket_bytes="auto",
                                                   bucket_peak_slack=100.0)) for _ in range(2)]
     assert auto[0].bucket_choice and auto[0].schedule["cap_choice"] and auto[0].gm.code == auto[1].gm.code
 
@@ -188,10 +190,9 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
 def test_a_memory_budget_sweeps_the_cap_of_the_plan_it_keeps_under_the_budget():
     # the budget is the smallest cap's own peak: the plan fits as it is (no recomputation), and the
     # sweep may not take a cap whose peak is over the budget
-    from shardwise.costmodel import liveness
 
     cap, est, _, _ = _gather_bound_moe()
-    base = ShardContext(4, "g", schedule=True, estimate=est, bucket_peak_slack=100.0, reserve=10**12)
+    base = ShardContext(4, "g", schedule=True, cost=CostModel.custom(estimate=est), bucket_peak_slack=100.0, reserve=10**12)
     free = shard_step(cap, "zero3", base)
     assert next(r for r in free.schedule["cap_choice"] if r[3])[0] > free.schedule["cap_choice"][0][0]
     budget = free.schedule["cap_choice"][0][2]
@@ -214,7 +215,7 @@ def test_liveness_frees_after_last_use_and_follows_aliases():
     import torch.fx as fx
 
     from shardwise.costmodel import liveness
-    from shardwise.passes._emit import fake
+    from shardwise.passes.emit import fake
 
     g = fx.Graph()
     x = g.placeholder("x")
@@ -324,25 +325,25 @@ def test_fused_liveness_in_cpu_code_and_the_embedding_gradients_fp32_buffer():
 
 
 def test_interval_arithmetic_of_exposed_communication():
-    from shardwise.runtime.profile import _merge, _subtract
+    from shardwise.runtime.profile import merge, subtract
 
-    comm = _merge([(0, 10), (5, 12), (20, 30)])
+    comm = merge([(0, 10), (5, 12), (20, 30)])
     assert comm == [(0, 12), (20, 30)]
-    comp = _merge([(2, 4), (8, 25)])
+    comp = merge([(2, 4), (8, 25)])
     # exposed: [0,2) + [4,8) + [25,30) = 2 + 4 + 5
-    assert _subtract(comm, comp) == 11
+    assert subtract(comm, comp) == 11
 
 
 def test_exposed_communication_by_collective_kind_and_place():
-    from shardwise.runtime.profile import _merge, _nccl_kind, exposed_by_kernel
+    from shardwise.runtime.profile import merge, nccl_kind, exposed_by_kernel
 
-    assert _nccl_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "all_gather"
-    assert _nccl_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "reduce_scatter"
-    assert _nccl_kind("ncclKernel_AllReduce_RING_LL_Sum_float") == "all_reduce"
+    assert nccl_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "all_gather"
+    assert nccl_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "reduce_scatter"
+    assert nccl_kind("ncclKernel_AllReduce_RING_LL_Sum_float") == "all_reduce"
     # µs: an all-gather at the head with nothing to hide behind, one hidden, a reduce-scatter at the tail
     # (the profiler's list may hold a kernel twice: it counts once)
     comm = [(0, 1000, "all_gather"), (2000, 3000, "all_gather"), (9000, 9600, "reduce_scatter")] * 2
-    comp = _merge([(1000, 9200)])
+    comp = merge([(1000, 9200)])
     by, top = exposed_by_kernel(comm, comp)
     assert by == {"all_gather": 1000, "reduce_scatter": 400}
     assert top == [{"kind": "all_gather", "at_ms": 0.0, "exposed_ms": 1.0, "kernel_ms": 1.0},
@@ -396,12 +397,9 @@ def test_host_link_measures_and_bounds_a_streamed_step(tmp_path):
 def test_liveness_mode_follows_the_executor_and_host_copies():
     # inductor's code is modelled fused, and with in-place reuse unless the graph copies values to
     # the host on a side stream (compile_graph turns reuse off there); the FX executor runs op by op
-    from types import SimpleNamespace
-
     import torch.fx as fx
 
-    from shardwise.job import Job
-    from shardwise.runtime.actoffload import TO_HOST
+    from shardwise.runtime.ops import TO_HOST
 
     def graph(copy_out: bool) -> fx.GraphModule:
         g = fx.Graph()
@@ -410,10 +408,10 @@ def test_liveness_mode_follows_the_executor_and_host_copies():
         g.output(g.call_function(TO_HOST, (y,)) if copy_out else y)
         return fx.GraphModule(torch.nn.Module(), g)
 
-    inductor, fx_exec = SimpleNamespace(compile_mode="inductor"), SimpleNamespace(compile_mode="fx")
-    assert Job._liveness_mode(inductor, graph(False)) == {"fused": True, "inplace": True}
-    assert Job._liveness_mode(inductor, graph(True)) == {"fused": True, "inplace": False}
-    assert Job._liveness_mode(fx_exec, graph(False)) == {"fused": False, "inplace": False}
+    inductor, fx_exec = (CostModel.for_job(None, "cpu", fused=f) for f in (True, False))
+    assert inductor.liveness_mode(graph(False)) == {"fused": True, "inplace": True}
+    assert inductor.liveness_mode(graph(True)) == {"fused": True, "inplace": False}
+    assert fx_exec.liveness_mode(graph(False)) == {"fused": False, "inplace": False}
 
 
 def test_the_carveout_is_applied_to_the_chosen_program_not_to_the_candidates():
@@ -421,8 +419,8 @@ def test_the_carveout_is_applied_to_the_chosen_program_not_to_the_candidates():
     # it buys, so carving the candidates would push the cap and bucket choices away from overlap: the
     # choices are made uncarved and the program they settle on is carved afterwards
     cap, est, compute, comm = _gather_bound_moe()
-    kw = dict(schedule=True, estimate=est, shard_bucket_bytes="auto", bucket_peak_slack=100.0, node_time=compute,
-              comm_time=comm)
+    kw = dict(schedule=True, cost=CostModel.custom(compute, comm, est), shard_bucket_bytes="auto",
+              bucket_peak_slack=100.0)
     plain = shard_step(cap, "zero3", ShardContext(4, "g", **kw))
     carved = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=SMCarveout(24, 48), **kw))
     assert carved.carved > 0 and plain.carved == 0
@@ -443,7 +441,7 @@ def _prefetch_two(hold_share: dict, cast_s: float = 0.0):
     starts = []
     for i in range(2):
         c = g.call_function(torch.ops.aten.clone.default, (x,), name=f"gather{i}")
-        c.meta["sw"] = {"kind": "all_gather", "param": f"w{i}"}
+        mark(c, Collective("all_gather", 0, 0, 2, params=(f"w{i}",)))
         starts.append(c)
     y = x
     for i, c in enumerate(starts):
@@ -485,7 +483,7 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
     # the tiny MoE's products are far below one tile per SM: count every product as filling the SMs
     monkeypatch.setattr(carveout, "TILE", 1)
     cap, est, compute, comm = _gather_bound_moe()
-    kw = dict(schedule=True, estimate=est, node_time=compute, comm_time=comm)
+    kw = dict(schedule=True, cost=CostModel.custom(compute, comm, est))
     auto = carveout.SMCarveout(32, 64, auto=True)  # a carved product keeps half the SMs: twice as long
     plain = shard_step(cap, "zero3", ShardContext(4, "g", **kw))
     carved = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=auto, **kw))
@@ -496,7 +494,7 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
     assert any(n.target in carveout.CARVED.values() for n in carved.gm.graph.nodes)
     # where the collectives are short, holding them back costs little and carving costs the products
     # their SMs: not carved, and the program is the uncarved one
-    fast = dict(kw, comm_time=lambda n: sched._payload(n) / 3e6)
+    fast = dict(kw, cost=CostModel.custom(compute, lambda n: sched.payload(n) / 3e6, est))
     plain = shard_step(cap, "zero3", ShardContext(4, "g", **fast))
     kept = shard_step(cap, "zero3", ShardContext(4, "g", sm_carveout=auto, **fast))
     assert kept.carve_choice[2] is False and kept.carved == 0 and kept.carve_choice[1] > kept.carve_choice[0]
@@ -515,10 +513,10 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
     assert carveout.contention(carveout.SMCarveout(32, 64, need=64))(
         next(n for n in carved.gm.graph.nodes if n.target in carveout.CARVED.values())) == 0.5
     # off CUDA the collectives take no SMs: "auto" never carves; a number carves, inert (share 1)
-    from shardwise.job import _sm_carveout
+    from shardwise.passes.carveout import choose as choose_carveout
 
-    assert _sm_carveout("auto", torch.device("cpu")) is None
-    assert _sm_carveout(16, torch.device("cpu")) == SMCarveout(16, 0) and SMCarveout(16, 0).share == 1.0
+    assert choose_carveout("auto", torch.device("cpu")) is None
+    assert choose_carveout(16, torch.device("cpu")) == SMCarveout(16, 0) and SMCarveout(16, 0).share == 1.0
 
 
 def test_auto_carveout_is_on_only_where_it_was_measured(monkeypatch):
@@ -526,22 +524,23 @@ def test_auto_carveout_is_on_only_where_it_was_measured(monkeypatch):
     # anywhere else it keeps every SM, while a number is honoured wherever the API exists
     import types
 
-    from shardwise.job import CARVE_MIN_S, _sm_carveout
+    from shardwise.passes.carveout import CARVE_MIN_S
+    from shardwise.passes.carveout import choose as choose_carveout
 
     gpu = {"major": 9, "multi_processor_count": 132}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(**gpu))
     cuda = torch.device("cuda", 0)
-    assert _sm_carveout("auto", cuda, "nccl") == SMCarveout(32, 132, CARVE_MIN_S, auto=True)
-    assert _sm_carveout("auto", cuda, "gloo") is None  # several ranks on one GPU over gloo
-    assert _sm_carveout("auto", cuda, "nccl", schedule=False) is None  # the unscheduled baseline
-    assert _sm_carveout(24, cuda, "gloo", schedule=False) == SMCarveout(24, 132, CARVE_MIN_S)
+    assert choose_carveout("auto", cuda, "nccl") == SMCarveout(32, 132, CARVE_MIN_S, auto=True)
+    assert choose_carveout("auto", cuda, "gloo") is None  # several ranks on one GPU over gloo
+    assert choose_carveout("auto", cuda, "nccl", schedule=False) is None  # the unscheduled baseline
+    assert choose_carveout(24, cuda, "gloo", schedule=False) == SMCarveout(24, 132, CARVE_MIN_S)
     gpu["major"] = 8  # an A100: not measured
-    assert _sm_carveout("auto", cuda, "nccl") is None and _sm_carveout(24, cuda).sms == 24
+    assert choose_carveout("auto", cuda, "nccl") is None and choose_carveout(24, cuda).sms == 24
     gpu.update(major=9, multi_processor_count=64)
-    assert _sm_carveout("auto", cuda, "nccl") is None
+    assert choose_carveout("auto", cuda, "nccl") is None
     gpu["multi_processor_count"] = 132
     monkeypatch.setattr(torch.version, "hip", "6.4")
-    assert _sm_carveout("auto", cuda, "nccl") is None
+    assert choose_carveout("auto", cuda, "nccl") is None
 
 
 def test_roofline_counts_no_time_for_views_and_python_helpers():

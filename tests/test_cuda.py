@@ -206,10 +206,10 @@ def _overlapped_update_run(executor, overlap, registry):
         batch = tuple(t.cuda() for t in make_batch("llama", s, 0))
         out.append(float(job.step(batch)))
         if overlap and registry is not None and s == 0:
-            assert registry() == len(job._ready_names) > 0  # a work per parameter the graph reads
+            assert registry() == len(job.updater.ready_names) > 0  # a work per parameter the graph reads
         out.append(float(job.eval_step(batch)))  # reads the weights the update is still writing
     sd = job.full_state_dict()
-    assert (job._upd is not None) == overlap
+    assert (job.updater.stream is not None) == overlap
     if registry is not None:
         assert registry() == 0  # full_state_dict drained: nothing left registered
     return out, sd
@@ -238,7 +238,7 @@ def _bf16_llama_steps(executor, optimizer, steps=4, **kw):
 def test_cuda_carved_products_match_and_put_the_settings_back():
     # a carved product runs through cuBLASLt with SMs left free: the same product to bf16 rounding,
     # and the carveout and the preferred BLAS library are as they were after it returns
-    from shardwise.runtime.carveout import CARVED
+    from shardwise.runtime.ops import CARVED
 
     aten = torch.ops.aten
     a = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
@@ -267,7 +267,7 @@ def test_cuda_carved_products_match_and_put_the_settings_back():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("name", ["llama", "moe"])
-def test_cuda_parity_nccl_ws2_sm_carveout(pools, name):
+def test_cuda_parity_nccl_ws2choose_carveout(pools, name):
     # products beside NCCL collectives run with 16 SMs left free: training matches single-device.
     # The test models' products are shorter than the 20 µs a product must take to be carved: carve all
     pool = pools(2, "nccl")
@@ -286,9 +286,9 @@ def test_cuda_parity_nccl_ws2_auto_carveout_by_default(pools):
     # here) and keeps the program it predicts faster: the decision is taken and recorded, and the
     # job trains to single-device parity. (The test model's products are too small to fill the SMs,
     # so the model keeps them whole; the carved path's parity is the test above.)
-    from shardwise.job import _sm_carveout
+    from shardwise.passes.carveout import choose as choose_carveout
 
-    if _sm_carveout("auto", torch.device("cuda", 0)) is None:
+    if choose_carveout("auto", torch.device("cuda", 0)) is None:
         pytest.skip("auto does not carve on this GPU or torch (Hopper-class, > 64 SMs, the carveout API)")
     pool = pools(2, "nccl")
     old = pool.run(harness.set_carve_min_s, 0.0)[0]

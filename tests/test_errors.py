@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import harness
 import shardwise as sw
-from shardwise.capture import CaptureError
+from shardwise.errors import CaptureError
 
 
 def job_for(model, **kw):
@@ -55,14 +55,23 @@ def test_mesh_larger_than_single_process():
 def test_mesh_not_covering_the_world(pools):
     res = pools(2).run_all(harness.bad_mesh, 3)
     for ok, val in res:
-        assert not ok and val[0] == "ValueError"
+        assert not ok and val[0] == "MeshError"  # a ValueError (test_error_types_are_the_builtins_users_catch)
         assert "the world has 2 ranks" in val[1] and "dp must equal 2" in val[1]
+
+
+def test_error_types_are_the_builtins_users_catch():
+    # each error type is exported and is the built-in a caller would catch anyway
+    assert issubclass(sw.MeshError, ValueError) and issubclass(sw.BatchMismatchError, ValueError)
+    assert issubclass(sw.BudgetError, ValueError) and issubclass(sw.PlanMismatchError, RuntimeError)
+    assert issubclass(sw.CaptureError, RuntimeError)
+    assert all(issubclass(e, sw.ShardwiseError) for e in (sw.MeshError, sw.BatchMismatchError, sw.BudgetError,
+                                                           sw.PlanMismatchError, sw.CaptureError))
 
 
 def test_batch_shapes_differ_across_ranks(pools):
     res = pools(2).run_all(harness.mismatched_batches, timeout=120)
     for ok, val in res:
-        assert not ok and val[0] == "ValueError", val
+        assert not ok and val[0] == "BatchMismatchError", val
         assert "batch shapes differ across ranks" in val[1]
         assert "ranks [0]" in val[1] and "ranks [1]" in val[1]  # says who holds what
 
@@ -70,7 +79,7 @@ def test_batch_shapes_differ_across_ranks(pools):
 def test_graphs_that_differ_across_ranks_stop_every_rank(pools):
     res = pools(2).run_all(harness.rank_dependent_graph, False, timeout=120)
     for ok, val in res:
-        assert not ok and val[0] == "RuntimeError", val
+        assert not ok and val[0] == "PlanMismatchError", val
         assert "the compiled graph differs across ranks" in val[1] and "ranks [0]" in val[1] and "ranks [1]" in val[1]
 
 
@@ -156,13 +165,13 @@ def test_plans_that_differ_across_ranks_stop_every_rank(pools):
 
     res = pools(2).run_all(harness.rank_dependent_plan, timeout=120)
     for ok, val in res:
-        assert not ok and val[0] == "RuntimeError", val
+        assert not ok and val[0] == "PlanMismatchError", val
         got = dict(re.findall(r"ranks \[(\d)\]: capture (\w+) plan", val[1]))
         plans = dict(re.findall(r"ranks \[(\d)\]: capture \w+ plan (\w+)", val[1]))
         assert got["0"] == got["1"] and plans["0"] != plans["1"], val[1]  # same capture, different plan
 
 
-def test_bad_matmul_sm_carveout():
+def test_bad_matmulchoose_carveout():
     for bad in (0, -4, True, 2.5, "24", "Auto"):
         with pytest.raises(ValueError, match="matmul_sm_carveout must be a positive number of SMs"):
             job_for(harness.make_model("gpt", "fp32"), matmul_sm_carveout=bad)
@@ -171,13 +180,13 @@ def test_bad_matmul_sm_carveout():
 def test_matmul_sm_carveout_defaults_to_auto_which_never_carves_on_cpu():
     import inspect
 
-    from shardwise.cli import _carveout_arg
+    from shardwise.cli import carveout_arg
     from shardwise.passes.carveout import SMCarveout
 
     assert inspect.signature(sw.compile).parameters["matmul_sm_carveout"].default == "auto"
     # gloo's collectives take no SMs: the default carves nothing on CPU; a number is kept (inert)
     assert job_for(harness.make_model("gpt", "fp32")).ctx.sm_carveout is None
     assert job_for(harness.make_model("gpt", "fp32"), matmul_sm_carveout=16).ctx.sm_carveout == SMCarveout(16, 0)
-    assert [_carveout_arg(v) for v in ("auto", "off", "0", "24")] == ["auto", None, None, 24]
+    assert [carveout_arg(v) for v in ("auto", "off", "0", "24")] == ["auto", None, None, 24]
     with pytest.raises(Exception, match="expected 'auto', 'off' or a number of SMs, got 'most'"):
-        _carveout_arg("most")
+        carveout_arg("most")

@@ -9,7 +9,8 @@ from shardwise.capture import capture_step, forward_nodes
 from shardwise.models import build
 from shardwise.passes import ShardContext, shard_step
 from shardwise.passes.schedule import keep_alive
-from shardwise.passes.zero import CHAIN_OPS
+from shardwise.sharding.collective import collective_of
+from shardwise.sharding.ops import info
 
 WS = 4
 
@@ -24,8 +25,8 @@ def captured(name="gpt", dtype=None, **over):
 def sw_nodes(gm, kind=None, phase=None):
     out = []
     for n in gm.graph.nodes:
-        sw = n.meta.get("sw")
-        if sw and (kind is None or sw["kind"] == kind) and (phase is None or sw["phase"] == phase):
+        c = collective_of(n)
+        if c and (kind is None or c.kind == kind) and (phase is None or c.phase == phase):
             out.append(n)
     return out
 
@@ -47,9 +48,9 @@ def test_ddp_buckets_all_reduces():
     one = shard_step(cap, "ddp", ShardContext(WS, "g", bucket_bytes=1 << 30))
     assert one.counts() == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 2}  # one bucket + the loss
     small = shard_step(cap, "ddp", ShardContext(WS, "g", bucket_bytes=16 * 1024))
-    buckets = [n for n in sw_nodes(small.gm, "all_reduce") if n.meta["sw"]["phase"] == "bwd"]
+    buckets = [n for n in sw_nodes(small.gm, "all_reduce") if collective_of(n).phase == "bwd"]
     assert len(buckets) > 2
-    names = [p for b in buckets for p in b.meta["sw"]["param"]]
+    names = [p for b in buckets for p in collective_of(b).params]
     assert sorted(names) == sorted(cap.grad_names)  # every gradient in exactly one bucket
     # a bucket is issued before the backward ends: some backward compute follows the first one
     nodes = list(small.gm.graph.nodes)
@@ -72,8 +73,8 @@ def test_zero12_reduce_scatters_gradients(strategy):
 def test_zero3_gathers_each_parameter_for_forward_and_for_backward(name):
     _, cap = captured(name)
     prog = shard_step(cap, "zero3", ShardContext(WS, "g"))
-    fwd = [n.meta["sw"]["param"] for n in sw_nodes(prog.gm, "all_gather", "fwd")]
-    bwd = [n.meta["sw"]["param"] for n in sw_nodes(prog.gm, "all_gather", "bwd")]
+    fwd = [collective_of(n).param for n in sw_nodes(prog.gm, "all_gather", "fwd")]
+    bwd = [collective_of(n).param for n in sw_nodes(prog.gm, "all_gather", "bwd")]
     assert sorted(fwd) == sorted(cap.param_names)  # one forward gather per parameter
     assert len(set(bwd)) == len(bwd)  # at most one backward gather per parameter
     # every linear weight is read again in backward (for its input's gradient), so it is gathered
@@ -93,7 +94,7 @@ def _chain_users(node):
     while stack:
         n = stack.pop()
         for u in n.users:
-            if u.op == "call_function" and u.target in CHAIN_OPS:
+            if u.op == "call_function" and info(u.target).chain:
                 stack.append(u)
             out.append(u)
     return out
@@ -175,10 +176,10 @@ def test_bucketing_merges_collectives(strategy):
     if strategy == "zero3":
         assert c2["all_gather"] == 2  # one forward bucket, one backward bucket
     # every parameter is still in exactly one bucket per phase
-    names = [p for s in sw_nodes(merged.gm, "reduce_scatter") for p in s.meta["sw"]["param"]]
+    names = [p for s in sw_nodes(merged.gm, "reduce_scatter") for p in collective_of(s).params]
     assert sorted(names) == sorted(cap.grad_names)
-    assert sum(s.meta["sw"]["full_bytes"] for s in sw_nodes(merged.gm)) == sum(
-        s.meta["sw"]["full_bytes"] for s in sw_nodes(one.gm))
+    assert sum(collective_of(s).full_bytes for s in sw_nodes(merged.gm)) == sum(
+        collective_of(s).full_bytes for s in sw_nodes(one.gm))
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])

@@ -70,7 +70,7 @@ def test_inductor_computes_weight_gradients_where_the_graph_does():
                      mesh=sw.mesh(dp=1), compile="inductor")
     x = torch.randint(0, 256, (16, 64))
     job.step((x, x))
-    _, run = job._compiled((x, x), "step")
+    _, run = job.compiled((x, x))
     code = getattr(run.compiled, "source_code", None)
     if code is None:
         pytest.skip("this torch's compiled graph does not expose its source code")
@@ -129,7 +129,7 @@ def test_fused_liveness_within_5pct_of_inductors_generated_code(name, over):
     job.step((x, x))
     measured = inductor_wrapper_peak(lambda: job.step((x, x)))
     assert measured["file"] is not None and measured["peak"] > 2 * 256 * 4000 * 2  # at least the logits
-    prog, _ = job._compiled((x, x), "step")
+    prog, _ = job.compiled((x, x))
     model_peak = liveness(prog.gm, fused=True).peak
     assert abs(model_peak - measured["peak"]) <= 0.05 * measured["peak"], (model_peak / measured["peak"])
 

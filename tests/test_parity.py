@@ -65,7 +65,7 @@ def test_parity_unscheduled(pools, strategy):
     check(pools, "llama", strategy, "fp64", 2, steps=3, schedule=False, loss_tol=1e-10, param_tol=1e-10)
 
 
-def test_parity_sm_carveout(pools):
+def test_paritychoose_carveout(pools):
     # products beside a collective run as their carved twins (passes/carveout.py): the same products
     # (on CPU the carveout itself does not apply; tests/test_cuda.py holds it to parity on GPUs)
     check(pools, "moe", "zero3", "fp64", 2, steps=3, matmul_sm_carveout=16, loss_tol=1e-10, param_tol=1e-10)

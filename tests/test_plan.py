@@ -157,10 +157,10 @@ def test_predictions_hold_the_published_runs_within_10pct():
 
 
 def test_wide_heads_and_tensor_parallel_across_torus_axes():
-    from shardwise.planner.validation import _maxtext
+    from shardwise.planner.validation import maxtext_model
 
     # MaxText's 128B: 128 heads of 128 on a width of 8192, so queries are 16384 wide
-    m = _maxtext(128)
+    m = maxtext_model(128)
     assert (m.layers, m.hidden, m.heads, m.ffn) == (64, 8192, 128, 57344) and m.q_dim == 16384
     assert m.attention_params() == 8192 * 16384 * 2 + 2 * 8192 * 128 * 128
     assert abs(m.params() / 1e9 - 125.1) < 0.1
@@ -193,11 +193,11 @@ def test_collective_rows_hold_their_inputs_and_the_blind_multi_node_run():
     # a NIC carries its share twice and the rings stay faster
     assert abs(rows["2 nodes of 8 H100, NDR 8x400G, all-reduce (NVLSTree)"]["error"]) < 0.10
     c2, S2 = cluster("dgx-h100:2"), 8 * 2**30
-    assert c2._nvls_tree_s(S2, *c2.levels(16)) == pytest.approx(S2 / 275e9)  # the switch sets it
+    assert c2.topology.nvls_tree_s(S2, *c2.levels(16)) == pytest.approx(S2 / 275e9)  # the switch sets it
     assert c2.collective_parts("all_reduce", S2, 16)[1] == pytest.approx(S2 / 275e9)
     c4 = cluster("dgx-h100:4")
-    assert c4._nvls_tree_s(S2, *c4.levels(32)) == pytest.approx(S2 / 8 * 2 / 47e9)  # the NICs set it
-    assert c4.collective_parts("all_reduce", S2, 32)[1] < c4._nvls_tree_s(S2, *c4.levels(32))
+    assert c4.topology.nvls_tree_s(S2, *c4.levels(32)) == pytest.approx(S2 / 8 * 2 / 47e9)  # the NICs set it
+    assert c4.collective_parts("all_reduce", S2, 32)[1] < c4.topology.nvls_tree_s(S2, *c4.levels(32))
     c = cluster("dgx-h100:1")
     S = 1 << 30
     ring = 2 * 7 / 8 * S / c.dims[0][1].busbw
@@ -219,9 +219,9 @@ def test_vtrain_runs_blind_with_the_memory_bound_kernels_counted():
 
 
 def test_memory_bound_kernels_weigh_more_on_small_and_unfused_models():
-    from shardwise.planner.validation import _megatron_gpt
+    from shardwise.planner.validation import megatron_gpt
 
-    small, big = _megatron_gpt("s", 30, 3072, 32), _megatron_gpt("b", 96, 12288, 96)
+    small, big = megatron_gpt("s", 30, 3072, 32), megatron_gpt("b", 96, 12288, 96)
     # flash attention moves no scores: 13·a·s bytes per token less per forward (and backward: x3)
     assert small.elementwise_bytes(2048, fused_attention=False) - small.elementwise_bytes(2048) == 3 * 13 * 32 * 2048
     # full recomputation repeats the forward's traffic, selective only the scores'

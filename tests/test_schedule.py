@@ -4,9 +4,11 @@ import pytest
 
 from test_graph import captured, sw_nodes
 from shardwise.capture import forward_nodes
+from shardwise.costmodel import CostModel
 from shardwise.passes import ShardContext, shard_step
 from shardwise.passes.carveout import SMCarveout
-from shardwise.passes.schedule import WAIT, _payload, keep_alive
+from shardwise.passes.schedule import WAIT, keep_alive, payload
+from shardwise.sharding.collective import collective_of
 
 WS = 4
 BIG = 1 << 40
@@ -20,10 +22,10 @@ def in_flight_profile(gm):
     """Bytes of collectives started and not yet waited for, after each node."""
     flight, out = 0, []
     for n in gm.graph.nodes:
-        if n.meta.get("sw"):
-            flight += _payload(n)
+        if collective_of(n):
+            flight += payload(n)
         elif n.op == "call_function" and n.target is WAIT:
-            flight -= _payload(n.args[0])
+            flight -= payload(n.args[0])
         out.append(flight)
     return out
 
@@ -49,7 +51,7 @@ def test_unbounded_cap_starts_every_gather_before_compute(name):
 def test_cap_on_bytes_in_flight_holds(strategy):
     _, cap = captured("llama")
     base = shard_step(cap, strategy, ShardContext(WS, "g", schedule=False))
-    largest = max(_payload(s) for s in sw_nodes(base.gm))
+    largest = max(payload(s) for s in sw_nodes(base.gm))
     for limit in (largest, 2 * largest, 5 * largest):
         prog = shard_step(cap, strategy, ShardContext(WS, "g", schedule=True, max_in_flight=limit))
         assert max(in_flight_profile(prog.gm)) <= limit
@@ -60,7 +62,7 @@ def test_gathers_keep_their_order_and_prefetch_crosses_into_backward():
     _, cap = captured("llama")
     base = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=False))
     prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True, max_in_flight=BIG))
-    key = lambda s: (s.meta["sw"]["param"], s.meta["sw"]["phase"])  # noqa: E731
+    key = lambda s: (collective_of(s).param, collective_of(s).phase)  # noqa: E731
     assert [key(s) for s in sw_nodes(prog.gm, "all_gather")] == [key(s) for s in sw_nodes(base.gm, "all_gather")]
     fwd = forward_nodes(prog.gm)
     pos = order_of(prog.gm)
@@ -91,7 +93,7 @@ def test_schedule_is_deterministic():
 def test_default_cap_is_twice_the_largest_collective():
     _, cap = captured("gpt")
     prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True))
-    largest = max(_payload(s) for s in sw_nodes(prog.gm))
+    largest = max(payload(s) for s in sw_nodes(prog.gm))
     assert prog.schedule["max_in_flight"] == 2 * largest
     assert max(in_flight_profile(prog.gm)) <= 2 * largest
 
@@ -103,7 +105,7 @@ def test_cap_on_number_in_flight_holds_and_still_overlaps():
     prog = shard_step(cap, "zero3", ShardContext(WS, "g", schedule=True, max_ops_in_flight=1))
     count, most, overlapped = 0, 0, 0
     for n in prog.gm.graph.nodes:
-        if n.meta.get("sw"):
+        if collective_of(n):
             count += 1
             most = max(most, count)
         elif n.op == "call_function" and n.target is WAIT:
@@ -152,7 +154,7 @@ def _carved(strategy, min_s=0.0):
     """(carved program, plain program, the plain one's simulated timeline) of the tiny MoE under a
     stand-in cost model: every product 1 s, everything else free, every collective 0.5 s."""
     from shardwise.costmodel import simulate
-    from shardwise.runtime.carveout import CARVED
+    from shardwise.runtime.ops import CARVED
 
     def compute(n):
         return 1.0 if n.target in CARVED or n.target in CARVED.values() else 0.0
@@ -162,7 +164,7 @@ def _carved(strategy, min_s=0.0):
 
     _, cap = captured("moe")
     # ddp: one all-reduce per gradient, started as the backward produces it
-    kw = dict(schedule=True, bucket_bytes=1, node_time=compute, comm_time=comm)
+    kw = dict(schedule=True, bucket_bytes=1, cost=CostModel.custom(compute, comm))
     prog = shard_step(cap, strategy, ShardContext(2, "g", sm_carveout=SMCarveout(24, 120, min_s), **kw))
     plain = shard_step(cap, strategy, ShardContext(2, "g", **kw))
     return prog, plain, simulate(plain.gm, compute, comm)
@@ -174,7 +176,7 @@ def test_products_beside_a_collective_leave_sms_free(strategy):
     # link becomes its carved twin (same arguments, then 24 SMs to leave free); a product with the
     # link idle beside it (ddp's forward, a zero3 product whose gather already ended) is left alone;
     # the collective schedule is untouched
-    from shardwise.runtime.carveout import CARVED
+    from shardwise.runtime.ops import CARVED
 
     prog, plain, tl = _carved(strategy)
     twins = {m.name: m for m in plain.gm.graph.nodes}
@@ -199,7 +201,8 @@ def test_products_beside_a_collective_leave_sms_free(strategy):
     assert prog.counts() == plain.counts()
     # the roofline predicts each carved product slower by CARVE_STRETCH of what its share of the SMs
     # (0.8) says: 1 + 0.4 * (1 / 0.8 - 1) = 1.1
-    from shardwise.costmodel.compute import CARVE_STRETCH, Device, flops, node_time
+    from shardwise.costmodel import Device, flops, node_time
+    from shardwise.costmodel.compute import CARVE_STRETCH
 
     dev = Device(name="test", flops=1e12, bandwidth=1e18)
     for n in prog.gm.graph.nodes:
@@ -216,7 +219,7 @@ def test_carved_products_compute_the_products_under_inductor_too():
     # the carveout does not apply; on CUDA tests/test_cuda.py runs them)
     import torch
 
-    from shardwise.runtime.carveout import CARVED
+    from shardwise.runtime.ops import CARVED
 
     a, b, c, bias = torch.randn(8, 16), torch.randn(16, 4), torch.randn(3, 8, 16), torch.randn(4)
     aten = torch.ops.aten

@@ -6,6 +6,8 @@ import pytest
 import harness
 from harness import check
 from test_graph import captured, sw_nodes
+from shardwise.sharding.collective import collective_of
+from shardwise.costmodel import CostModel
 from shardwise.passes import ShardContext, shard_step
 
 
@@ -15,8 +17,8 @@ def test_kept_parameters_lose_their_backward_gather():
     keep = frozenset(names[-3:])
     base = shard_step(cap, "zero3", ShardContext(4, "g", schedule=False))
     prog = shard_step(cap, "zero3", ShardContext(4, "g", schedule=False, keep_gathered=keep))
-    bwd = {s.meta["sw"]["param"] for s in sw_nodes(prog.gm, "all_gather", "bwd")}
-    assert not bwd & keep and bwd == {s.meta["sw"]["param"] for s in sw_nodes(base.gm, "all_gather", "bwd")} - keep
+    bwd = {collective_of(s).param for s in sw_nodes(prog.gm, "all_gather", "bwd")}
+    assert not bwd & keep and bwd == {collective_of(s).param for s in sw_nodes(base.gm, "all_gather", "bwd")} - keep
     assert len(sw_nodes(prog.gm, "all_gather", "fwd")) == len(sw_nodes(base.gm, "all_gather", "fwd"))
     # nothing reads a shard placeholder where a whole weight is needed: every placeholder of a kept
     # parameter feeds only its forward gather's cast/copy chain
@@ -183,13 +185,13 @@ def test_a_failing_host_update_surfaces_at_the_next_step_not_a_hang(monkeypatch)
     def broken(self, arrived, published):
         raise RuntimeError("host update broke")
 
-    monkeypatch.setattr(StreamedOptimizer, "_host_update", broken)
+    monkeypatch.setattr(StreamedOptimizer, "run_host_update", broken)
     with pytest.raises(RuntimeError, match="host update broke"):
         job.step(make_batch("llama", 1, 0))
         job.step(make_batch("llama", 2, 0))
     # the readiness futures of the parameters it never reached carry the error (no wait hangs on them)
     with pytest.raises(RuntimeError, match="host update broke"):
-        job.state.streamer._start_host({n: torch.zeros_like(job.state.compute[n]) for n in job.state.streamer.host},
+        job.state.streamer.start_host({n: torch.zeros_like(job.state.compute[n]) for n in job.state.streamer.host},
                                        None)["head.weight"].result(timeout=10)
 
 
@@ -315,23 +317,23 @@ def test_a_plan_made_again_unchanged_keeps_its_compiled_code():
     import dataclasses
 
     import shardwise as sw
-    import shardwise.costmodel as cm
+    from shardwise.costmodel import CostModel
     from harness import adamw, make_batch, make_model
 
-    true = cm.liveness
-    cm.liveness = lambda gm, **kw: dataclasses.replace(true(gm, **kw), peak=int(true(gm, **kw).peak * 1.5))
+    true = CostModel.liveness
+    CostModel.liveness = lambda self, gm: dataclasses.replace(true(self, gm), peak=int(true(self, gm).peak * 1.5))
     try:
         job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
                          memory_budget=2**30)
         b = make_batch("llama", 0, 0)
         job.step(b)
-        (key, (prog, run)), = job._programs.items()
+        (key, (prog, run)), = job.compiler.programs.items()
         job.step(b)  # measured against its prediction: off by more than 10%, so planned again
-        assert len(job.replans) == 1 and job.replans[0]["held_back"] == 0 and not job._programs
+        assert len(job.replans) == 1 and job.replans[0]["held_back"] == 0 and not job.compiler.programs
         job.step(b)
-        (key2, (prog2, run2)), = job._programs.items()
+        (key2, (prog2, run2)), = job.compiler.programs.items()
     finally:
-        cm.liveness = true
+        CostModel.liveness = true
     assert key2 == key and prog2 is prog and run2 is run and job.recompiles_avoided == 1
 
 
@@ -421,7 +423,7 @@ def test_offloaded_activations_leave_the_device_between_forward_and_backward():
     import shardwise as sw
     from harness import adamw, make_batch, make_model
     from shardwise.capture.trace import forward_nodes
-    from shardwise.runtime.actoffload import TO_DEVICE, TO_HOST
+    from shardwise.runtime.ops import TO_DEVICE, TO_HOST
 
     job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
                      offload_activations=True)
@@ -464,7 +466,7 @@ def test_inductor_never_reuses_the_memory_of_a_value_being_copied_out():
     job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
                      offload_activations=True, compile="inductor")
     job.step(make_batch("llama", 0, 0))
-    _, run = job._compiled(make_batch("llama", 0, 0), "step")
+    _, run = job.compiled(make_batch("llama", 0, 0))
     code = getattr(run.compiled, "source_code", None)
     if code is None:
         pytest.skip("this torch's compiled graph does not expose its source code")
@@ -482,8 +484,8 @@ def test_the_budget_finds_the_longest_kept_prefix_that_fits_by_bisection():
     _, cap = captured("llama")
 
     def kept(gm):  # gathered in the forward and not again in the backward (the embedding never is)
-        fwd = {s.meta["sw"]["param"] for s in sw_nodes(gm, "all_gather", "fwd")}
-        return fwd - {s.meta["sw"]["param"] for s in sw_nodes(gm, "all_gather", "bwd")} - {"tok.weight"}
+        fwd = {collective_of(s).param for s in sw_nodes(gm, "all_gather", "fwd")}
+        return fwd - {collective_of(s).param for s in sw_nodes(gm, "all_gather", "bwd")} - {"tok.weight"}
 
     built = []
 
@@ -491,7 +493,7 @@ def test_the_budget_finds_the_longest_kept_prefix_that_fits_by_bisection():
         built.append(c.keep_gathered)
         return shard_step(cap, "zero3", c)
 
-    ctx = ShardContext(4, "g", schedule=False, estimate=lambda gm: (0.0, 1000 * len(kept(gm))),
+    ctx = ShardContext(4, "g", schedule=False, cost=CostModel.custom(estimate=lambda gm: (0.0, 1000 * len(kept(gm)))),
                        graph_budget=7500, reserve=-10**12)
     used, prog = unshard.plan(cap, ctx, "step", build)
     assert used.keep_gathered == frozenset(prog.unsharded)  # the context that built the plan kept
@@ -526,7 +528,7 @@ def test_overlapped_update_puts_a_readiness_wait_before_each_parameter_and_steps
     gm = job.programs()[0].gm
     ready = [n.meta["sw_ready"] for n in gm.graph.nodes if "sw_ready" in n.meta]
     assert sorted(ready) == sorted(job.state.grad_names)
-    chunks = job._chunks()
+    chunks = job.updater.plan_chunks(job.programs()[0])
     assert 1 < len(chunks) <= 17 and [n for c in chunks for n in c] == ready  # in first-read order
     assert chunks[0][0] == "tok.weight"  # the first the next forward reads updates first
     plain = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1))

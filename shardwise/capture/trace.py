@@ -12,7 +12,6 @@ activation checkpointing.
 
 from __future__ import annotations
 
-import hashlib
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,9 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-
-class CaptureError(RuntimeError):
-    """The training step could not be traced into one graph."""
+from ..errors import CaptureError
 
 
 @dataclass
@@ -73,10 +70,6 @@ def batch_signature(spec, consts, tensors: list[torch.Tensor] | None) -> str:
     if tensors is not None:
         parts += [f"{tuple(t.shape)}:{t.dtype}" for t in tensors]
     return "|".join(parts)
-
-
-def signature_hash(sig: str) -> int:
-    return int.from_bytes(hashlib.sha256(sig.encode()).digest()[:7], "little")
 
 
 def call_model(model: nn.Module, batch):
@@ -254,11 +247,3 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
-
-
-def elementwise(n: fx.Node) -> bool:
-    """An ATen elementwise op (tagged pointwise, or a dtype cast): cheap to recompute, and what
-    inductor fuses into its consumers."""
-    t = n.target
-    return n.op == "call_function" and (t is torch.ops.aten._to_copy.default
-                                        or torch.Tag.pointwise in getattr(t, "tags", ()))

@@ -40,13 +40,6 @@ class HostLink:
                 f"both at once {self.both / 1e9:.1f} GB/s")
 
 
-# PCIe 5.0 x16 as measured from one H200 (shardwise's hostlink.measure, 512 MiB pinned copies,
-# 2026-11-29): 54.8 GB/s in, 54.3 GB/s out, 88.2 GB/s both at once
-PCIE5 = HostLink(54.8e9, 54.3e9, 88.2e9, "H200 PCIe 5.0 x16, measured 2026-11-29")
-# the CPU "host tier" is a second buffer pool in the same memory: a copy each way (rough)
-CPU_POOL = HostLink(10e9, 10e9, 10e9, "CPU memcpy (rough default)")
-
-
 def measure(device: torch.device, nbytes: int = 256 * 2**20, iters: int = 5) -> HostLink:
     """Time pinned host<->device copies of ``nbytes`` on ``device`` (median of ``iters``)."""
     cuda = device.type == "cuda"

@@ -8,69 +8,28 @@ of any alias, and graph outputs live to the end (they leave the graph: gradients
 Placeholders are the caller's tensors and are counted as resident state, not here.
 
 Peak per rank = resident state + the most graph-made bytes live at once; the optimizer step after
-the graph holds the gradients plus its own temporaries (see ``optimizer_transient``).
+the graph holds the gradients plus its own temporaries (costmodel/optimizer.py).
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from ..capture import elementwise
-from .compute import _bytes
+from ..sharding.ops import WAIT, aliases_input, elementwise, extern, info, tensor_bytes
+from ..sharding.ops import heavy as heavy_op
 
-WAIT = torch.ops._c10d_functional.wait_tensor.default
 aten = torch.ops.aten
-
-
-# ops inductor hands to a library kernel (or a collective): their inputs must exist as buffers
-_EXTERN = ("mm.", "bmm.", "addmm.", "baddbmm.", "scaled_dot_product", "convolution", "_c10d_functional")
-
-
-def _extern(n: fx.Node) -> bool:
-    if n.op != "call_function":
-        return False
-    # a custom op (shardwise's own host copies and the like) runs as a fallback kernel too
-    custom = getattr(n.target, "namespace", "aten") not in ("aten", "prims")
-    return custom or n.meta.get("sw") is not None or any(k in str(n.target) for k in _EXTERN)
-
 
 READS = 4
 """Inductor realizes (stores) an elementwise result with several consumers once it reads more than
 this many buffers (its ``realize_reads_threshold``); below that each consumer recomputes it."""
 
-# composite ops inductor decomposes into elementwise code around small reductions (row maxima and
-# sums): a loss's log-softmax, its gradient and the scatter of nll_loss's gradient never exist as
-# whole tensors when their consumers fuse them (measured: a 1.1B Llama's fp32 logits-sized
-# tensors were absent from the H200's live blocks at the peak, 2026-11-30)
-_FUSIBLE = (aten._log_softmax.default, aten._softmax.default, aten._log_softmax_backward_data.default,
-            aten._softmax_backward_data.default, aten.nll_loss_backward.default)
-# on CPU inductor stores a result with several consumers whose code holds a heavy op instead of
-# recomputing it in each (torch 2.13's should_realize_on_reuse: exp, log, log10, log1p, log2, sigmoid,
-# tanh); the aten ops whose decompositions hold one where their result is computed (log-softmax's
-# log is taken of its small row sums, which are stored: measured, its result is not)
-_HEAVY = (aten.exp.default, aten.log.default, aten.log10.default, aten.log1p.default, aten.log2.default,
-          aten.sigmoid.default, aten.tanh.default, aten.silu.default, aten.silu_backward.default,
-          aten.gelu_backward.default, aten._softmax.default,
-          aten._log_softmax_backward_data.default, aten.softplus.default, aten.elu.default)
-
-
-def _heavy(n: fx.Node) -> bool:
-    if n.target is aten.gelu.default:  # the tanh approximation holds tanh; the exact one, erf
-        return n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none") == "tanh"
-    return n.target in _HEAVY
-
-
-# composites whose kernel inductor lets write into a dying input's buffer, as elementwise ones (seen
-# in its code for a loss's gradient; a softmax's result gets a buffer of its own)
-_INPLACE = (aten._log_softmax.default, aten._log_softmax_backward_data.default, aten.nll_loss_backward.default)
-
 
 def _fusible(n: fx.Node) -> bool:
-    return elementwise(n) or n.target in _FUSIBLE
+    return elementwise(n) or info(n.target).fusible
 
 
 def _consumers(n: fx.Node) -> tuple[list[fx.Node], set[fx.Node]]:
@@ -79,7 +38,7 @@ def _consumers(n: fx.Node) -> tuple[list[fx.Node], set[fx.Node]]:
     aliases, found, stack = {n}, [], list(n.users)
     while stack:
         u = stack.pop()
-        if u.op == "call_function" and u.target is not WAIT and _aliases_input(u) \
+        if u.op == "call_function" and u.target is not WAIT and aliases_input(u) \
                 and next(iter(u.all_input_nodes), None) in aliases:
             if u not in aliases:
                 aliases.add(u)
@@ -106,22 +65,9 @@ def _inlined(n: fx.Node, out: fx.Node, reads: frozenset, heavy: bool = False, cp
     if not _fusible(n):
         return False
     users, aliases = _consumers(n)
-    if out in users or any(_extern(u) or _addmm_input(n, u, cpu_code) for u in users):
+    if out in users or any(extern(u) or _addmm_input(n, u, cpu_code) for u in users):
         return False
     return max(len(a.users) for a in aliases) == 1 or (len(reads) <= READS and not heavy)
-
-
-def _aliases_input(node: fx.Node) -> bool:
-    """True when ``node``'s result shares storage with its first tensor argument."""
-    t = node.target
-    if t is operator.getitem or t is WAIT or t is aten._unsafe_view.default:
-        return True  # a wait returns the collective's own output buffer
-    schema = getattr(t, "_schema", None)
-    if schema is None:
-        # a Python helper (keep_alive and the like) returns nothing that allocates
-        return True
-    rets = schema.returns
-    return bool(rets) and rets[0].alias_info is not None
 
 
 @dataclass
@@ -179,23 +125,23 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
             owners[n] = frozenset()
         elif n.op == "call_function":
             src = next(iter(n.all_input_nodes), None)
-            if _aliases_input(n) and src is not None:
+            if aliases_input(n) and src is not None:
                 owners[n] = owners.get(src, frozenset())
                 heavy[n] = heavy.get(src, False)
             elif fused and _inlined(n, out, reads := frozenset().union(*(owners.get(a, frozenset())
                                                                        for a in n.all_input_nodes)),
-                                    h := cpu_code and (_heavy(n)
+                                    h := cpu_code and (heavy_op(n)
                                                        or any(heavy.get(a, False) for a in n.all_input_nodes)),
                                     cpu_code):
                 owners[n] = reads
                 heavy[n] = h
             else:
                 owners[n] = frozenset([n])
-                if fused and (elementwise(n) or n.target in _INPLACE):
+                if fused and (elementwise(n) or info(n.target).inplace):
                     kernel_reads[n] = reads
                 v = n.meta.get("val")
                 size[n] = 0 if n.meta.get("sw_host") or (dev is not None and getattr(v, "device", None) is not None
-                                                         and v.device.type != dev) else _bytes(v)
+                                                         and v.device.type != dev) else tensor_bytes(v)
                 if (fused and size[n] and n.target is aten.embedding_dense_backward.default
                         and getattr(v, "dtype", torch.float32).itemsize < 4):
                     # inductor's decomposition accumulates a half-precision gradient in an fp32
@@ -249,59 +195,3 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
                      key=lambda r: -r[1])
     return Liveness(peak=peak, peak_at=peak_at, outputs=sum(size[o] for o in outputs), curve=curve,
                     at_peak=at_peak)
-
-
-def optimizer_transient(opt: torch.optim.Optimizer) -> int:
-    """Bytes the optimizer's step allocates for itself on top of its state (a model, not a measure).
-
-    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — holds one whole-list
-    temporary at a time: the bias-corrected ``sqrt(v)``. Every other update is in place, and the
-    gradient copy that L2 decay or ``maximize`` makes is dropped before that list is built
-    (torch/optim/adam.py, ``_multi_tensor_adam``). On an H200 (1.1B Llama, one rank) the measured
-    peak ruled out a second list. The single-tensor loop — the CPU default — holds two temporaries
-    of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam.
-    """
-    ps = [p for g in opt.param_groups for p in g["params"]]
-    if not ps:
-        return 0
-    return _step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults, ps[0].device.type)
-
-
-def optimizer_kernel(defaults: dict, device: str) -> str:
-    """The kernel a torch optimizer's step runs, from its ``defaults``: ``fused``, ``foreach`` (the
-    multi-tensor path, torch's default on CUDA) or ``for-loop`` (the default elsewhere)."""
-    if defaults.get("fused"):
-        return "fused"
-    foreach = defaults.get("foreach")
-    return "foreach" if foreach or (foreach is None and device == "cuda") else "for-loop"
-
-
-def _step_temporaries(per: list[int], d: dict, device: str) -> int:
-    kernel = optimizer_kernel(d, device)
-    if kernel == "fused":
-        return 0
-    if kernel == "foreach":
-        return sum(per)
-    # the loop: sqrt(v) and its bias-corrected copy of one parameter, while the previous parameter's
-    # denominator is still held by its loop variable
-    return max(2 * n + (per[i - 1] if i else 0) for i, n in enumerate(per))
-
-
-def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state once it exists: measured where it does, else from the optimizer's kind."""
-    have = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor))
-    if have:
-        return have
-    # tensors of the parameter's size per parameter, and whether a scalar ``step`` tensor is kept too
-    kinds = {torch.optim.Adam: (2, True), torch.optim.AdamW: (2, True), torch.optim.Adamax: (2, True),
-             torch.optim.NAdam: (2, True), torch.optim.RAdam: (2, True), torch.optim.Adagrad: (1, True),
-             torch.optim.RMSprop: (1, True), torch.optim.Adadelta: (2, True)}
-    k, step = 0, False
-    for c, (m, s) in kinds.items():
-        if isinstance(opt, c):
-            k, step = m, s
-    if isinstance(opt, torch.optim.SGD) and opt.defaults.get("momentum"):
-        k = 1
-    ps = [p for g in opt.param_groups for p in g["params"]]
-    return sum(k * p.numel() * p.element_size() + (4 if step else 0) for p in ps)

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 import torch.fx as fx
 
-WAIT = torch.ops._c10d_functional.wait_tensor.default
+from ..sharding.collective import collective_of
+from ..sharding.ops import WAIT
 
 RACE_S = 50e-6
 """A collective due this soon before a product that fills the SMs starts loses them to it: its kernel
@@ -58,7 +58,8 @@ def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
         nonlocal comm_free, busy_m
         comm_free = ends[n] = s + d
         busy_m += d
-        events.append(("comm", f"{n.meta['sw']['kind']} {n.meta['sw'].get('param') or ''}".strip(), s, s + d))
+        c = collective_of(n)
+        events.append(("comm", f"{c.kind} {c.label}".strip(), s, s + d))
 
     def run_beside(lo: float, hi: float, share: float, upto: fx.Node | None = None):
         """Start the pending collectives due before ``hi`` while the compute lane runs a node
@@ -85,7 +86,7 @@ def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.meta.get("sw") is not None:  # a collective start, as the passes mark them
+        if collective_of(n) is not None:  # a collective start, as the passes mark them
             if free is None:
                 start(n, max(t, comm_free), comm_time(n))
             else:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from ..capture import Capture
 from ..sharding import ShardLayout
-from . import _emit
+from . import emit
 from .program import Program, ShardContext, cast_placeholders, finish, input_dtypes, parts, set_outputs
 
 
@@ -46,21 +46,21 @@ def add_accumulators(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, inplac
     sums = []
     with g.inserting_before(first):
         for i, gn in enumerate(grads):
-            v = _emit.val(gn)
+            v = emit.val(gn)
             ph = g.placeholder(f"grad_sum_{i}")
-            ph.meta["val"] = _emit.fake(v.shape, ctx.reduce_dtype or v.dtype, v.device)
+            ph.meta["val"] = emit.fake(v.shape, ctx.reduce_dtype or v.dtype, v.device)
             sums.append(ph)
-        lv = _emit.val(loss)
+        lv = emit.val(loss)
         loss_ph = g.placeholder("loss_sum")
-        loss_ph.meta["val"] = _emit.fake(lv.shape, lv.dtype, lv.device)
+        loss_ph.meta["val"] = emit.fake(lv.shape, lv.dtype, lv.device)
     add = torch.ops.aten.add_.Tensor if inplace else torch.ops.aten.add.Tensor
     new_grads = []
     for gn, ph in zip(grads, sums):
         with g.inserting_before(gn.next):
-            c = _emit.cast(g, gn, _emit.val(ph).dtype)
-            new_grads.append(_emit._fn(g, add, (ph, c), _emit.val(ph)))
+            c = emit.cast(g, gn, emit.val(ph).dtype)
+            new_grads.append(emit.node(g, add, (ph, c), emit.val(ph)))
     with g.inserting_before(loss.next):
-        new_loss = _emit._fn(g, torch.ops.aten.add.Tensor, (loss_ph, loss), lv)
+        new_loss = emit.node(g, torch.ops.aten.add.Tensor, (loss_ph, loss), lv)
     set_outputs(gm, new_loss, [] if inplace else new_grads)
 
 
@@ -75,11 +75,11 @@ def into_inputs(prog: Program) -> Program:
         sums = []
         for i, sh in enumerate(shards):
             ph = g.placeholder(f"shard_sum_{i}")
-            ph.meta["val"] = _emit.val(sh)
+            ph.meta["val"] = emit.val(sh)
             sums.append(ph)
     for sh, ph in zip(shards, sums):
         with g.inserting_before(sh.next):
-            _emit._fn(g, torch.ops.aten.add_.Tensor, (ph, sh), _emit.val(ph))
+            emit.node(g, torch.ops.aten.add_.Tensor, (ph, sh), emit.val(ph))
     set_outputs(gm, loss, [])
     prog.gm = finish(gm)
     prog.grad_output = "none"

@@ -1,7 +1,7 @@
 """Activation offload: a saved activation waits for the backward in host memory, not on the device.
 
 For each chosen forward value the backward reads: right after it is made, ``to_host`` starts its
-copy out (runtime/actoffload.py); early in the backward, ``to_device`` starts its copy back, and a
+copy out (runtime/ops.py); early in the backward, ``to_device`` starts its copy back, and a
 ``wait_tensor`` right before its first backward reader makes the compute stream wait for that copy.
 The forward's own readers still read the device value, which dies after the last of them instead
 of living into the backward. The copy back starts where the compute before the first reader is
@@ -18,23 +18,22 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..capture.trace import forward_nodes
-from ..costmodel.compute import _bytes
-from ..runtime.actoffload import TO_DEVICE, TO_HOST
-from . import _emit
+from ..capture import forward_nodes
+from ..runtime.ops import TO_DEVICE, TO_HOST
+from ..sharding.collective import collective_of
+from ..sharding.ops import WAIT, aliases_input, tensor_bytes
+from . import emit
 
 
 def _views(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     """For each node that owns its storage, the views of it (chains of aliasing nodes), in order."""
-    from ..costmodel.memory import WAIT, _aliases_input
-
     owner: dict[fx.Node, fx.Node] = {}
     views: dict[fx.Node, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         src = n.all_input_nodes[0] if n.all_input_nodes else None
-        if _aliases_input(n) and n.target is not WAIT and src is not None and src in owner:
+        if aliases_input(n) and n.target is not WAIT and src is not None and src in owner:
             owner[n] = owner[src]
             views[owner[n]].append(n)
         else:
@@ -50,11 +49,11 @@ def candidates(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
     out = gm.graph.find_nodes(op="output")[0]
     got = []
     for o, vs in _views(gm).items():
-        if o not in fwd or not isinstance(o.meta.get("val"), torch.Tensor) or o.meta.get("sw") is not None \
+        if o not in fwd or not isinstance(o.meta.get("val"), torch.Tensor) or collective_of(o) is not None \
                 or o.target in (TO_HOST, TO_DEVICE):
             continue
         if any(u not in fwd and u is not out and u not in vs for x in (o, *vs) for u in x.users):
-            got.append((o, _bytes(o.meta["val"])))
+            got.append((o, tensor_bytes(o.meta["val"])))
     return sorted(got, key=lambda nb: -nb[1])
 
 
@@ -86,13 +85,13 @@ def apply(gm: fx.GraphModule, names, node_s: Callable[[fx.Node], float], fetch_s
         v = n.meta["val"]
         with g.inserting_after(n):
             h = g.call_function(TO_HOST, (n,))
-        h.meta["val"] = _emit.fake(v.shape, v.dtype, "cpu")
+        h.meta["val"] = emit.fake(v.shape, v.dtype, "cpu")
         h.meta["sw_host"] = True  # the host tier: no device memory (on CPU, a separate pool)
         with g.inserting_before(at):
             y = g.call_function(TO_DEVICE, (h, like))
         y.meta["val"] = v
         with g.inserting_before(first):
-            w = g.call_function(_emit.c10d.wait_tensor.default, (y,))
+            w = g.call_function(emit.WAIT, (y,))
             w.meta["val"] = v
             w.meta["sw_act"] = n.name
             # the backward's views of the value, made again on the fetched copy

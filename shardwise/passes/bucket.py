@@ -1,12 +1,12 @@
 """Bucketing: merge neighbouring per-parameter all-gathers and reduce-scatters into one collective each.
 
 Every collective pays a fixed latency α; a bucket pays it once for many parameters. Buckets are
-closed at ``bucket_bytes`` (the cost model picks it: see ``bucket_target``), hold one dtype and one
+closed at ``bucket_bytes`` (the cost model picks it: passes/pipeline.py), hold one dtype and one
 phase, and keep graph order, so the order of collectives stays a function of the graph.
 
 All-gather bucket: the members' shards are concatenated, gathered once (rank-major), and each
-member's padded rows are copied out of its column of the ``[ws, total]`` result. Reduce-scatter
-bucket: each member's padded gradient is viewed as ``[ws, k_i]``, the views concatenated along
+member's padded rows are copied out of its column of the ``[ranks, total]`` result. Reduce-scatter
+bucket: each member's padded gradient is viewed as ``[ranks, k_i]``, the views concatenated along
 dim 1, reduce-scattered once, and the result split into the members' shards.
 """
 
@@ -17,93 +17,89 @@ import operator
 import torch
 import torch.fx as fx
 
-from . import _emit
-from .schedule import _feed_chain
+from ..sharding.collective import Collective, collective_of, mark
+from . import emit
+from .schedule import feed_chain
 
 aten = torch.ops.aten
 
 
-def bucket_target(alpha_s: float, busbw: float, ws: int, overhead: float = 0.1) -> int:
-    """Smallest bucket whose fixed latency is at most ``overhead`` of its transfer time."""
-    if ws <= 1:
-        return 0
-    return int(alpha_s * busbw / overhead * ws / (ws - 1))
-
-
 def _groups(starts: list[fx.Node], limit: int) -> list[list[fx.Node]]:
     out: list[list[fx.Node]] = []
+    keys: dict[fx.Node, tuple] = {}
     size = 0
     for s in starts:
-        sw = s.meta["sw"]
-        key = (sw["kind"], sw["phase"], _emit.val(s).dtype, s.args[1:])
-        if out and out[-1][0].meta["sw_key"] == key and size + sw["full_bytes"] <= limit:
+        c = collective_of(s)
+        key = (c.kind, c.phase, emit.val(s).dtype, s.args[1:])
+        if out and keys[out[-1][0]] == key and size + c.full_bytes <= limit:
             out[-1].append(s)
-            size += sw["full_bytes"]
+            size += c.full_bytes
         else:
             out.append([s])
-            size = sw["full_bytes"]
-        s.meta["sw_key"] = key
+            size = c.full_bytes
+        keys[s] = key
     return [g for g in out if len(g) > 1]
 
 
-def _merge_all_gathers(g: fx.Graph, members: list[fx.Node], ws: int) -> None:
+def _merged(members: list[fx.Node]) -> Collective:
+    """The collective of a bucket: its members' bytes and parameters, in order."""
+    cs = [collective_of(m) for m in members]
+    return Collective(cs[0].kind, sum(c.full_bytes for c in cs), sum(c.sent_bytes for c in cs), cs[0].ranks,
+                      cs[0].axis, cs[0].phase, tuple(p for c in cs for p in c.params))
+
+
+def _merge_all_gathers(g: fx.Graph, members: list[fx.Node], ranks: int) -> None:
     ins = [m.args[0] for m in members]
-    sizes = [_emit.val(x).numel() for x in ins]
+    sizes = [emit.val(x).numel() for x in ins]
     total = sum(sizes)
-    v0 = _emit.val(ins[0])
+    v0 = emit.val(ins[0])
     for m in members[1:]:  # their shards come from placeholders only: bring the feed chains forward
-        for c in _feed_chain(m):
+        for c in feed_chain(m):
             members[0].prepend(c)
     with g.inserting_before(members[0]):
-        flats = [_emit.reshape(g, x, [n]) for x, n in zip(ins, sizes)]
-        flat = _emit._fn(g, aten.cat.default, (flats,), _emit.fake([total], v0.dtype, v0.device))
-        sw = dict(kind="all_gather", bytes=sum(m.meta["sw"]["bytes"] for m in members),
-                  full_bytes=sum(m.meta["sw"]["full_bytes"] for m in members),
-                  param=[m.meta["sw"]["param"] for m in members], phase=members[0].meta["sw"]["phase"])
-        start = _emit._fn(g, members[0].target, (flat, *members[0].args[1:]), _emit.fake([ws * total], v0.dtype, v0.device))
-        start.meta["sw"] = sw
-        wait = _emit._fn(g, _emit.c10d.wait_tensor.default, (start,), _emit.fake([ws * total], v0.dtype, v0.device))
-        grid = _emit._fn(g, aten.view.default, (wait, [ws, total]), _emit.fake([ws, total], v0.dtype, v0.device))
+        flats = [emit.reshape(g, x, [n]) for x, n in zip(ins, sizes)]
+        flat = emit.node(g, aten.cat.default, (flats,), emit.fake([total], v0.dtype, v0.device))
+        start = emit.node(g, members[0].target, (flat, *members[0].args[1:]), emit.fake([ranks * total], v0.dtype, v0.device))
+        mark(start, _merged(members))
+        wait = emit.node(g, emit.WAIT, (start,), emit.fake([ranks * total], v0.dtype, v0.device))
+        grid = emit.node(g, aten.view.default, (wait, [ranks, total]), emit.fake([ranks, total], v0.dtype, v0.device))
     off = 0
     for m, n in zip(members, sizes):
         old_wait = next(iter(m.users))
-        shape = list(_emit.val(old_wait).shape)
+        shape = list(emit.val(old_wait).shape)
         # each member's piece goes right before its own first use, so it can die after its last one
         first = min(old_wait.users, key=lambda u: _order(g)[u])
         with g.inserting_before(first):
-            col = _emit._fn(g, aten.slice.Tensor, (grid, 1, off, off + n), _emit.fake([ws, n], v0.dtype, v0.device))
-            piece = _emit._fn(g, aten.clone.default, (col,), _emit.fake([ws, n], v0.dtype, v0.device),
+            col = emit.node(g, aten.slice.Tensor, (grid, 1, off, off + n), emit.fake([ranks, n], v0.dtype, v0.device))
+            piece = emit.node(g, aten.clone.default, (col,), emit.fake([ranks, n], v0.dtype, v0.device),
                               memory_format=torch.contiguous_format)
-            full = _emit._fn(g, aten.view.default, (piece, shape), _emit.fake(shape, v0.dtype, v0.device))
+            full = emit.node(g, aten.view.default, (piece, shape), emit.fake(shape, v0.dtype, v0.device))
         old_wait.replace_all_uses_with(full)
         g.erase_node(old_wait)
         g.erase_node(m)
         off += n
 
 
-def _merge_reduce_scatters(g: fx.Graph, members: list[fx.Node], ws: int) -> None:
+def _merge_reduce_scatters(g: fx.Graph, members: list[fx.Node], ranks: int) -> None:
     ins = [m.args[0] for m in members]
-    ks = [_emit.val(x).numel() // ws for x in ins]
+    ks = [emit.val(x).numel() // ranks for x in ins]
     total = sum(ks)
-    v0 = _emit.val(ins[0])
+    v0 = emit.val(ins[0])
     order = _order(g)
     last_in = max(ins, key=order.__getitem__)
     with g.inserting_before(last_in.next):
-        grids = [_emit.reshape(g, x, [ws, k]) for x, k in zip(ins, ks)]
-        cat = _emit._fn(g, aten.cat.default, (grids, 1), _emit.fake([ws, total], v0.dtype, v0.device))
-        flat = _emit._fn(g, aten.view.default, (cat, [ws * total]), _emit.fake([ws * total], v0.dtype, v0.device))
-        sw = dict(kind="reduce_scatter", bytes=sum(m.meta["sw"]["bytes"] for m in members),
-                  full_bytes=sum(m.meta["sw"]["full_bytes"] for m in members),
-                  param=[m.meta["sw"]["param"] for m in members], phase="bwd")
-        start = _emit._fn(g, members[0].target, (flat, *members[0].args[1:]), _emit.fake([total], v0.dtype, v0.device))
-        start.meta["sw"] = sw
-        wait = _emit._fn(g, _emit.c10d.wait_tensor.default, (start,), _emit.fake([total], v0.dtype, v0.device))
-        parts = _emit._fn(g, aten.split_with_sizes.default, (wait, ks))
+        grids = [emit.reshape(g, x, [ranks, k]) for x, k in zip(ins, ks)]
+        cat = emit.node(g, aten.cat.default, (grids, 1), emit.fake([ranks, total], v0.dtype, v0.device))
+        flat = emit.node(g, aten.view.default, (cat, [ranks * total]), emit.fake([ranks * total], v0.dtype, v0.device))
+        start = emit.node(g, members[0].target, (flat, *members[0].args[1:]), emit.fake([total], v0.dtype, v0.device))
+        mark(start, _merged(members))
+        wait = emit.node(g, emit.WAIT, (start,), emit.fake([total], v0.dtype, v0.device))
+        parts = emit.node(g, aten.split_with_sizes.default, (wait, ks))
         for i, m in enumerate(members):
             old_wait = next(iter(m.users))
-            shape = list(_emit.val(old_wait).shape)
-            piece = _emit._fn(g, operator.getitem, (parts, i), _emit.fake([ks[i]], v0.dtype, v0.device))
-            new = _emit._fn(g, aten.view.default, (piece, shape), _emit.fake(shape, v0.dtype, v0.device))
+            shape = list(emit.val(old_wait).shape)
+            piece = emit.node(g, operator.getitem, (parts, i), emit.fake([ks[i]], v0.dtype, v0.device))
+            new = emit.node(g, aten.view.default, (piece, shape), emit.fake(shape, v0.dtype, v0.device))
             old_wait.replace_all_uses_with(new)
             g.erase_node(old_wait)
             g.erase_node(m)
@@ -113,25 +109,23 @@ def _order(g: fx.Graph) -> dict:
     return {n: i for i, n in enumerate(g.nodes)}
 
 
-def bucket(gm: fx.GraphModule, ws: int, bucket_bytes: int) -> int:
+def bucket(gm: fx.GraphModule, ranks: int, bucket_bytes: int) -> int:
     """Merge per-parameter all-gathers and reduce-scatters of ``gm`` in place; returns buckets made."""
-    if ws <= 1 or bucket_bytes <= 0:
+    if ranks <= 1 or bucket_bytes <= 0:
         return 0
     g = gm.graph
     made = 0
     for kind, merge in (("all_gather", _merge_all_gathers), ("reduce_scatter", _merge_reduce_scatters)):
-        starts = [s for s in _emit.collectives(gm) if s.meta["sw"]["kind"] == kind]
+        starts = [s for s in emit.collectives(gm) if collective_of(s).kind == kind]
         if kind == "all_gather":
-            starts = [s for s in starts if _feed_chain(s) is not None]
+            starts = [s for s in starts if feed_chain(s) is not None]
         for members in _groups(starts, bucket_bytes):
-            merge(g, members, ws)
+            merge(g, members, ranks)
             made += 1
-    for n in g.nodes:
-        n.meta.pop("sw_key", None)
     # a member's result now comes from the bucket's collective, issued after the last member's
     # input: readers placed between (the copy back to the GPU of gloo's host-staged collectives)
     # follow it there
-    _emit.restore_topological_order(g)
+    emit.restore_topological_order(g)
     g.lint()
     gm.recompile()
     return made

@@ -1,4 +1,4 @@
-"""Matrix products beside a collective leave SMs free for it (runtime/carveout.py says why).
+"""Matrix products beside a collective leave SMs free for it (runtime/ops.py says why).
 
 The cost model's two-lane simulation of the finished program (``costmodel.simulate``: each node's
 predicted time, each collective's α-β time) says when each product runs and when each collective
@@ -6,8 +6,8 @@ is on the link. A product predicted to take at least ``min_s`` and to overlap a 
 its carved twin (same arguments, then the SMs to leave free), which runs the product with the
 carveout set and puts it back. Products with the link idle beside them keep every SM, and so do
 short ones (for them a carved call's cost, ~10 µs on the host, is not worth it). Each carved product
-keeps its ATen op in ``meta["sw_product"]`` (its FLOPs) and its share of the SMs in
-``meta["sm_share"]`` (the roofline stretches its time, ``costmodel.compute``).
+is the product to the op registry (its FLOPs) and keeps its share of the SMs in ``meta["sm_share"]``
+(the roofline stretches its time, ``costmodel.compute``).
 
 ``auto`` lets the cost model decide whether to carve at all: it simulates the program with the SM
 contention model (``contention``; costmodel/simulate.py) uncarved and carved, and carves only if
@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
-from ..costmodel.simulate import simulate
-from ..runtime.carveout import CARVED
+from ..runtime.ops import CARVED
 
 CARVE_TIE = 0.02
 """``auto`` carves only where the carved program is predicted at least this much faster (the
@@ -90,14 +90,14 @@ def contention(c: SMCarveout) -> Callable[[fx.Node], float]:
     return free
 
 
-def apply(gm: fx.GraphModule, c: SMCarveout, compute_time: Callable[[fx.Node], float],
-          comm_time: Callable[[fx.Node], float]) -> tuple[int, tuple[float, float, bool] | None]:
-    """Carve the products predicted to run beside a collective. Returns how many were carved and,
-    under ``auto``, (predicted step uncarved, carved, whether carved) by the contention model."""
-    tl = simulate(gm, compute_time, comm_time)
+def apply(gm: fx.GraphModule, c: SMCarveout, cost) -> tuple[int, tuple[float, float, bool] | None]:
+    """Carve the products ``cost`` (the cost model) predicts to run beside a collective. Returns how
+    many were carved and, under ``auto``, (predicted step uncarved, carved, whether carved) by the
+    contention model."""
+    tl = cost.simulate(gm)
     comm = sorted((s, e) for lane, _, s, e in tl.events if lane == "comm" and e > s)
     runs = {name: (s, e) for lane, name, s, e in tl.events if lane == "compute"}
-    before = simulate(gm, compute_time, comm_time, contention(c)).step_s if c.auto else None
+    before = cost.simulate(gm, free=contention(c)).step_s if c.auto else None
     carved = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in CARVED or n.kwargs or n.name not in runs:
@@ -106,21 +106,58 @@ def apply(gm: fx.GraphModule, c: SMCarveout, compute_time: Callable[[fx.Node], f
         if e - s < c.min_s or not any(cs < e and s < ce for cs, ce in comm):
             continue
         carved.append((n, n.target, n.args))
-        n.meta["sw_product"] = n.target
         n.meta["sm_share"] = c.share
         n.target = CARVED[n.target]
         n.args = (*n.args, c.sms)
     choice = None
     if c.auto:
-        after = simulate(gm, compute_time, comm_time, contention(c)).step_s if carved else before
+        after = cost.simulate(gm, free=contention(c)).step_s if carved else before
         keep = bool(carved) and after <= before * (1.0 - CARVE_TIE)
         choice = (before, after, keep)
         if not keep:
             for n, target, args in carved:
                 n.target, n.args = target, args
-                del n.meta["sw_product"], n.meta["sm_share"]
+                del n.meta["sm_share"]
             carved = []
     if carved:
         gm.graph.lint()
         gm.recompile()
     return len(carved), choice
+
+
+CARVE_MIN_S = 20e-6
+"""Products predicted shorter than this keep every SM (a carved call costs ~10 µs on the host)."""
+
+
+def choose(sms, device: torch.device, backend: str = "nccl", schedule: bool = True) -> SMCarveout | None:
+    """``compile``'s ``matmul_sm_carveout`` checked against the device: the pass's settings, or None
+    for every SM."""
+    if sms is None:
+        return None
+    auto = isinstance(sms, str) and sms == "auto"
+    if not auto and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+        raise ValueError(f"matmul_sm_carveout must be a positive number of SMs (e.g. 32, what NCCL's kernels "
+                         f"need on an H200), 'auto' (the cost model decides) or None, got {sms!r}")
+    if device.type != "cuda":
+        # gloo's collectives take no SMs: "auto" never carves; a number carves, inert, to show the pass at work
+        return None if auto else SMCarveout(sms, 0)
+    if auto and (backend != "nccl" or not schedule or torch.version.hip is not None):
+        # gloo's collectives run on the host; the unscheduled baseline keeps every choice at its plain
+        # setting; the contention model was measured on NVIDIA's cuBLAS and NCCL
+        return None
+    if not (hasattr(torch._C, "_set_sm_carveout_experimental") and hasattr(torch.backends.cuda, "preferred_blas_library")):
+        if auto:
+            return None
+        raise ValueError(f"matmul_sm_carveout needs torch's experimental SM carveout and cuBLASLt, which torch "
+                         f"{torch.__version__} does not have: leave it at None")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    total = props.multi_processor_count
+    if auto:
+        # measured on Hopper, whose persistent products hold every SM; a GPU of 2 x COMM_SMS SMs or
+        # fewer would give the collective half of them or more
+        return SMCarveout(COMM_SMS, total, CARVE_MIN_S, auto=True) if props.major >= 9 and total > 2 * COMM_SMS else None
+    if sms >= total:
+        raise ValueError(f"matmul_sm_carveout={sms} leaves no SM to the products: this device has {total}; "
+                         f"pass fewer (NCCL's kernels take 16-32)")
+    return SMCarveout(sms, total, CARVE_MIN_S)

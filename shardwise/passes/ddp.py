@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..capture import Capture
 from ..sharding import ShardLayout
-from . import _emit
+from . import emit
 from .program import Program, ShardContext, average_loss, cast_placeholders, finish, input_dtypes, parts, set_outputs
 
 
@@ -18,15 +18,15 @@ def apply(cap: Capture, gm, ctx: ShardContext) -> Program:
     cast_grads = []
     for gn in grads:
         with g.inserting_before(gn.next):
-            cast_grads.append(_emit.cast(g, gn, ctx.reduce_dtype))
+            cast_grads.append(emit.cast(g, gn, ctx.reduce_dtype))
     order = {n: i for i, n in enumerate(g.nodes)}
     # buckets in production order, one dtype per bucket, closed at bucket_bytes
     buckets: list[list[int]] = []
     size = 0
     for i in sorted(range(len(grads)), key=lambda i: order[cast_grads[i]]):
-        v = _emit.val(cast_grads[i])
+        v = emit.val(cast_grads[i])
         nb = v.numel() * v.dtype.itemsize
-        if buckets and _emit.val(cast_grads[buckets[-1][0]]).dtype == v.dtype and size + nb <= ctx.bucket_bytes:
+        if buckets and emit.val(cast_grads[buckets[-1][0]]).dtype == v.dtype and size + nb <= ctx.bucket_bytes:
             buckets[-1].append(i)
             size += nb
         else:
@@ -37,8 +37,8 @@ def apply(cap: Capture, gm, ctx: ShardContext) -> Program:
     for b in buckets:
         last = max((cast_grads[i] for i in b), key=order.__getitem__)
         with g.inserting_before(last.next):
-            outs = _emit.all_reduce_many(
-                g, [cast_grads[i] for i in b], ctx.ws, ctx.group, op="avg", params=[names[i] for i in b], stage=ctx.stage
+            outs = emit.all_reduce_many(
+                g, [cast_grads[i] for i in b], ctx.dp, ctx.group, op="avg", params=[names[i] for i in b], stage=ctx.stage
             )
         for i, o in zip(b, outs):
             reduced[i] = o

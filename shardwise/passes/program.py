@@ -3,27 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from ..capture import Capture
 from ..sharding import ShardLayout
-from . import _emit
+from ..sharding.collective import collective_of
+from . import emit
 
 if TYPE_CHECKING:
+    from ..costmodel import CostModel
     from .carveout import SMCarveout
 
 
 @dataclass(frozen=True)
 class ShardContext:
-    """What a strategy pass needs to know about the mesh and the precision policy."""
+    """What a strategy pass needs to know about the mesh, the precision policy and the cost model."""
 
-    ws: int
+    dp: int
     """Ranks on the data-parallel axis."""
     group: str
     """Process-group name of the data-parallel axis (as functional collectives take it)."""
+    cost: CostModel | None = None
+    """The cost model the passes' choices are made on (costmodel.CostModel, or a stand-in with its
+    ``node_time``, ``comm_time``, ``fetch_time``, ``simulate`` and ``estimate``); None: the choices
+    that need it are not made (an error where one is asked for)."""
     param_dtype: torch.dtype | None = None
     """Compute dtype of parameters (mixed precision), None to compute in the storage dtype."""
     reduce_dtype: torch.dtype | None = None
@@ -52,28 +58,22 @@ class ShardContext:
     (optimizer state kept on the device under offload: a byte of it saves a host round trip per
     step, worth far more than a byte of unsharding saves on the device link)."""
     compute_dtype_grads: bool = False
-    """ws=1 single-micro-batch steps leave the gradients in the compute dtype (no reduction happens,
+    """dp=1 single-micro-batch steps leave the gradients in the compute dtype (no reduction happens,
     so casting them in the graph only doubles their bytes); the optimizer casts them chunk by chunk."""
     offload_activations: frozenset | bool = frozenset()
     """Saved activations (node names) kept in host memory between forward and backward
     (passes/actoffload.py); True: every one the backward reads."""
-    node_time: Callable[[fx.Node], float] | None = None
-    """Predicted seconds of one node (places the copies back of offloaded activations)."""
-    fetch_time: Callable[[int], float] | None = None
-    """Predicted seconds to copy so many bytes from host to device."""
     param_ready: frozenset = frozenset()
     """Parameters whose inputs get a readiness wait before their first reader (passes/ready.py):
     the optimizer update of the previous step may still be running when the step starts."""
-    estimate: Callable[[fx.GraphModule], tuple[float, int]] | None = None
-    """Cost model of a finished program: (predicted seconds, predicted peak bytes of the graph)."""
     bucket_peak_slack: float = 1.10
     """``"auto"`` buckets may raise the graph's predicted peak by at most this factor over none."""
     schedule: bool = True
     """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it
     (each waited for right after it starts)."""
     max_in_flight: int | None = None
-    """Cap on bytes of collectives started and not yet waited for; None: swept with ``estimate``
-    (passes/__init__.py ``_schedule``), else twice the largest one."""
+    """Cap on bytes of collectives started and not yet waited for; None: swept with the cost model
+    (passes/pipeline.py), else twice the largest one."""
     cap_sweep: bool = True
     """Let the cost model choose the in-flight cap (where ``max_in_flight`` is None). A memory budget's
     search turns it off while it compares plans and sweeps the plan it keeps."""
@@ -82,8 +82,6 @@ class ShardContext:
     sm_carveout: SMCarveout | None = None
     """Matrix products predicted to run beside a collective leave SMs free for it
     (passes/carveout.py ``SMCarveout``); None: every SM."""
-    comm_time: Callable[[fx.Node], float] | None = None
-    """Predicted seconds of one collective start node (the α-β link profile)."""
     max_ops_in_flight: int | None = None
     """Cap on the number of collectives in flight; None: no cap. gloo needs 1: with two all-gathers
     of one gloo process group in flight, a rank sometimes waits forever for data its peers already
@@ -129,16 +127,16 @@ class Program:
     """What the scheduler did (cap, how far each all-gather was moved), or None if it did not run."""
 
     def collective_nodes(self) -> list[fx.Node]:
-        return _emit.collectives(self.gm)
+        return emit.collectives(self.gm)
 
     def comm_bytes(self) -> int:
         """Bytes one rank sends per step inside this graph (ring algorithms)."""
-        return sum(n.meta["sw"]["bytes"] for n in self.collective_nodes())
+        return sum(collective_of(n).sent_bytes for n in self.collective_nodes())
 
     def counts(self) -> dict[str, int]:
-        out = {k: 0 for k in _emit.COLLECTIVE_TARGETS.values()}
+        out = {k: 0 for k in emit.COLLECTIVE_TARGETS.values()}
         for n in self.collective_nodes():
-            out[n.meta["sw"]["kind"]] += 1
+            out[collective_of(n).kind] += 1
         return out
 
 
@@ -164,12 +162,12 @@ def cast_placeholders(gm: fx.GraphModule, phs: list[fx.Node], store_dtype: torch
         if not v.is_floating_point() or v.dtype == store_dtype:
             continue
         compute = v.dtype
-        ph.meta["val"] = _emit.fake(v.shape, store_dtype, v.device)
+        ph.meta["val"] = emit.fake(v.shape, store_dtype, v.device)
         first = next(iter(ph.users), None)
         if first is None:
             continue
         with g.inserting_before(ph.next):
-            c = _emit.cast(g, ph, compute)
+            c = emit.cast(g, ph, compute)
         replace_uses(ph, c, {c})
 
 
@@ -177,12 +175,12 @@ def average_loss(gm: fx.GraphModule, ctx: ShardContext) -> None:
     """The returned loss is the mean over data-parallel ranks (what DDP users print after a reduce)."""
     g = gm.graph
     _, out, loss, _ = parts(gm)
-    if ctx.ws == 1:
+    if ctx.dp == 1:
         return
     with g.inserting_before(out):
-        flat = _emit.reshape(g, loss, [1])
-        (red,) = _emit.all_reduce_many(g, [flat], ctx.ws, ctx.group, op="avg", phase="fwd", stage=ctx.stage)
-        new = _emit.reshape(g, red, [])
+        flat = emit.reshape(g, loss, [1])
+        (red,) = emit.all_reduce_many(g, [flat], ctx.dp, ctx.group, op="avg", phase="fwd", stage=ctx.stage)
+        new = emit.reshape(g, red, [])
     outs = list(out.args[0])
     outs[0] = new
     out.args = (outs,)

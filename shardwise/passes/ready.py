@@ -14,7 +14,7 @@ waits as free (they are not collectives).
 
 from __future__ import annotations
 
-from . import _emit
+from . import emit
 from .program import Program
 
 
@@ -30,7 +30,7 @@ def insert(prog: Program, names: frozenset) -> int:
             continue
         first = min(ph.users, key=pos.__getitem__)
         with g.inserting_before(first):
-            w = g.call_function(_emit.c10d.wait_tensor.default, (ph,))
+            w = g.call_function(emit.WAIT, (ph,))
         w.meta["val"] = ph.meta.get("val")
         w.meta["sw_ready"] = name
         ph.replace_all_uses_with(w, delete_user_cb=lambda u: u is not w)

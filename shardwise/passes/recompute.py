@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..capture import elementwise, forward_nodes
+from ..capture import forward_nodes
+from ..sharding.collective import collective_of
+from ..sharding.ops import elementwise
 
 
 def apply(gm: fx.GraphModule) -> list[str]:
@@ -36,8 +38,7 @@ def apply(gm: fx.GraphModule) -> list[str]:
     for n in nodes:
         if n not in kept or not elementwise(n) or out in n.users:
             continue
-        if n.meta.get("sw") is not None or any(isinstance(a, fx.Node) and a.meta.get("sw") is not None
-                                                for a in n.all_input_nodes):
+        if collective_of(n) is not None or any(collective_of(a) is not None for a in n.all_input_nodes):
             continue
         if not all(a.op == "placeholder" or a in kept for a in n.all_input_nodes):
             continue

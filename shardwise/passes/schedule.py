@@ -21,26 +21,20 @@ from collections import deque
 
 import torch.fx as fx
 
-from . import _emit
+from ..runtime.ops import keep_alive
+from ..sharding.collective import collective_of
+from . import emit
 
-WAIT = _emit.c10d.wait_tensor.default
-
-
-def keep_alive(*tensors) -> None:
-    """A no-op whose only job is to hold a collective's input until its wait (see ``schedule``)."""
+WAIT = emit.WAIT
 
 
-fx.node.has_side_effect(keep_alive)
-keep_alive.sw_no_kernel = True  # the roofline charges it nothing (costmodel/compute.py)
-
-
-def _payload(start: fx.Node) -> int:
+def payload(start: fx.Node) -> int:
     """Bytes a collective holds while in flight: its output buffer."""
-    v = _emit.val(start)
+    v = emit.val(start)
     return v.numel() * v.dtype.itemsize
 
 
-def _feed_chain(start: fx.Node) -> list[fx.Node] | None:
+def feed_chain(start: fx.Node) -> list[fx.Node] | None:
     """The nodes between a shard placeholder and an all-gather start, if it depends on nothing else."""
     chain, stack = [], [start.args[0]]
     while stack:
@@ -62,15 +56,15 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
     g = gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    starts = [n for n in nodes if n.op == "call_function" and n.target in _emit.COLLECTIVE_TARGETS]
+    starts = [n for n in nodes if n.op == "call_function" and n.target in emit.COLLECTIVE_TARGETS]
     wait_of = {s: next(iter(s.users)) for s in starts}
     start_of = {w: s for s, w in wait_of.items()}
     prefetch: list[tuple[list[fx.Node], fx.Node]] = []
     movable: set[fx.Node] = set()
     for s in starts:
-        if s.meta["sw"]["kind"] != "all_gather":
+        if collective_of(s).kind != "all_gather":
             continue
-        chain = _feed_chain(s)
+        chain = feed_chain(s)
         if chain is None:
             continue
         prefetch.append((chain, s))
@@ -96,7 +90,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
         nonlocal flight
         while True:  # waits retire in issue order, so the oldest goes first
             old = in_flight.popleft()
-            flight -= _payload(old)
+            flight -= payload(old)
             place(wait_of[old])
             # The executor frees a value after its last reader, which would be the start: a gloo
             # worker thread could then still read a freed input (seen as SIGSEGV with waits far
@@ -109,20 +103,20 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
 
     def start(s: fx.Node, chain: list[fx.Node]) -> None:
         nonlocal flight
-        while in_flight and full(_payload(s)):
+        while in_flight and full(payload(s)):
             wait_for(in_flight[0])
         for c in chain:
             place(c)
         place(s)
         in_flight.append(s)
-        flight += _payload(s)
+        flight += payload(s)
 
     def issue_prefetch(until: fx.Node | None = None) -> None:
         """Start pending all-gathers in order: all up to ``until``, then while the cap has room."""
         while pending:
             chain, s = pending[0]
             must = until is not None and pos[s] <= pos[until]
-            if not must and full(_payload(s)):
+            if not must and full(payload(s)):
                 return
             pending.popleft()
             start(s, chain)
@@ -140,12 +134,12 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
                 if s not in placed:
                     issue_prefetch(until=s)
                 wait_for(s)
-        if n.op == "call_function" and n.target in _emit.COLLECTIVE_TARGETS:
-            while in_flight and full(_payload(n)):
+        if n.op == "call_function" and n.target in emit.COLLECTIVE_TARGETS:
+            while in_flight and full(payload(n)):
                 wait_for(in_flight[0])
             place(n)
             in_flight.append(n)
-            flight += _payload(n)
+            flight += payload(n)
         else:
             place(n)
         if n.op != "placeholder":
@@ -161,8 +155,8 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
     gm.recompile()
     new = {n: i for i, n in enumerate(g.nodes)}
     def label(s):
-        p = s.meta["sw"].get("param")
-        return f"{s.meta['sw']['phase']}:{','.join(p) if isinstance(p, list) else (p or s.name)}"
+        c = collective_of(s)
+        return f"{c.phase}:{c.label or s.name}"
 
     moved = {label(s): pos[s] - new[s] for _, s in prefetch}
     return {"max_in_flight": max_in_flight, "max_ops": max_ops, "prefetched": moved}

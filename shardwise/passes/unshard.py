@@ -19,11 +19,8 @@ import dataclasses
 from typing import Callable
 
 from ..capture import Capture
+from ..errors import BudgetError
 from .program import Program, ShardContext
-
-
-class BudgetError(ValueError):
-    """The step does not fit the memory budget even with every parameter sharded."""
 
 
 def _too_big(peak: int, budget: int) -> BudgetError:
@@ -44,11 +41,11 @@ def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
     from . import actoffload
 
     prog = build(ctx)
-    _, peak = ctx.estimate(prog.gm)
+    _, peak = ctx.cost.estimate(prog.gm)
     if peak > budget and not ctx.recompute:
         ctx = dataclasses.replace(ctx, recompute=True)
         prog = build(ctx)
-        _, peak = ctx.estimate(prog.gm)
+        _, peak = ctx.cost.estimate(prog.gm)
     cands = [(n.name, b) for n, b in actoffload.candidates(prog.gm)]
     chosen: list[str] = []
     while peak > budget:
@@ -61,7 +58,7 @@ def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
             raise _too_big(peak, budget)
         ctx = dataclasses.replace(ctx, offload_activations=frozenset(chosen))
         prog = build(ctx)
-        _, peak = ctx.estimate(prog.gm)
+        _, peak = ctx.cost.estimate(prog.gm)
     return ctx, prog, peak
 
 
@@ -69,12 +66,12 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
          build: Callable[[ShardContext], Program]) -> tuple[ShardContext, Program]:
     """The zero3 plan under ``ctx.graph_budget`` (module docstring); returns (the context that built
     it, the program)."""
-    if ctx.estimate is None:
-        raise ValueError("a memory budget needs ShardContext.estimate (the cost model)")
+    if ctx.cost is None:
+        raise ValueError("a memory budget needs a cost model to estimate with (ShardContext.cost)")
     budget = ctx.graph_budget
     base_ctx, base, peak = fit(build, dataclasses.replace(ctx, graph_budget=None, keep_gathered=frozenset()),
                                budget)
-    if ctx.ws == 1:  # one rank gathers nothing: there is nothing to keep gathered
+    if ctx.dp == 1:  # one rank gathers nothing: there is nothing to keep gathered
         base.unsharded, base.predicted_graph_peak = [], peak
         return base_ctx, base
     headroom = budget - peak - ctx.reserve  # what other uses hold first (ShardContext.reserve)
@@ -92,7 +89,7 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
     best, fits, best_peak = base, 0, peak  # the empty prefix is the base plan, which fits
     if keep:
         prog = build(dataclasses.replace(base_ctx, keep_gathered=frozenset(keep)))
-        _, p = ctx.estimate(prog.gm)
+        _, p = ctx.cost.estimate(prog.gm)
         if p <= budget:
             best, fits, best_peak = prog, len(keep), p
         else:
@@ -100,7 +97,7 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
             while lo < hi:
                 k = (lo + hi + 1) // 2
                 prog = build(dataclasses.replace(base_ctx, keep_gathered=frozenset(keep[:k])))
-                _, p = ctx.estimate(prog.gm)
+                _, p = ctx.cost.estimate(prog.gm)
                 if p <= budget:
                     best, lo, best_peak = prog, k, p
                 else:

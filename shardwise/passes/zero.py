@@ -8,8 +8,8 @@
 - zero3: a parameter enters the graph only as this rank's shard. It is all-gathered right before
   its first forward use and dies after its last forward use. Backward users get a gather of
   their own and their own copy of the view/cast chain the forward had built on the gathered
-  weight (``t(W)`` typically feeds the forward matmul and the backward one), so no gathered
-  weight lives from forward into backward.
+  weight (``t(W)`` typically feeds the forward matmul and the backward one: the ops the op registry
+  marks ``chain``), so no gathered weight lives from forward into backward.
 """
 
 from __future__ import annotations
@@ -19,37 +19,15 @@ import torch.fx as fx
 
 from ..capture import Capture, forward_nodes
 from ..sharding import ShardLayout
-from . import _emit
+from ..sharding.ops import info
+from . import emit
 from .program import Program, ShardContext, average_loss, finish, input_dtypes, parts, set_outputs
 
 aten = torch.ops.aten
 
-# Ops that only re-view or re-type a tensor: a chain of them on a gathered weight is rebuilt in
-# backward instead of keeping the forward's result alive.
-CHAIN_OPS = {
-    aten.t.default,
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.permute.default,
-    aten.transpose.int,
-    aten.expand.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.default,
-    aten.slice.Tensor,
-    aten.select.int,
-    aten.alias.default,
-    aten.detach.default,
-    aten._to_copy.default,
-    torch.ops.prims.convert_element_type.default,
-    aten.clone.default,
-}
-
-
-def layouts_for(names, shapes, ws: int) -> dict[str, ShardLayout]:
-    """Padded Shard(0) layout of each parameter over ``ws`` ranks."""
-    return {n: ShardLayout(tuple(s), ws) for n, s in zip(names, shapes)}
+def layouts_for(names, shapes, ranks: int) -> dict[str, ShardLayout]:
+    """Padded Shard(0) layout of each parameter over ``ranks`` ranks."""
+    return {n: ShardLayout(tuple(s), ranks) for n, s in zip(names, shapes)}
 
 
 def _reduce_scatter_grads(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, layouts) -> list[fx.Node]:
@@ -58,14 +36,14 @@ def _reduce_scatter_grads(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, l
     out = []
     for name, gn in zip(cap.grad_names, grads):
         with g.inserting_before(gn.next):
-            c = _emit.cast(g, gn, ctx.reduce_dtype)
+            c = emit.cast(g, gn, ctx.reduce_dtype)
         with g.inserting_before(c.next):
-            out.append(_emit.reduce_scatter(g, c, layouts[name], ctx.group, param=name, stage=ctx.stage))
+            out.append(emit.reduce_scatter(g, c, layouts[name], ctx.group, param=name, stage=ctx.stage))
     return out
 
 
 def apply_zero12(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, strategy: str) -> Program:
-    layouts = layouts_for(cap.param_names, cap.param_shapes, ctx.ws)
+    layouts = layouts_for(cap.param_names, cap.param_shapes, ctx.dp)
     _, _, loss, _ = parts(gm)
     shards = _reduce_scatter_grads(cap, gm, ctx, layouts)
     set_outputs(gm, loss, shards)
@@ -80,7 +58,7 @@ def _chain_root(node: fx.Node, params: dict[fx.Node, str], memo: dict) -> fx.Nod
     root = None
     if node in params:
         root = node
-    elif node.op == "call_function" and node.target in CHAIN_OPS:
+    elif node.op == "call_function" and info(node.target).chain:
         ins = node.all_input_nodes
         if len(ins) == 1:
             root = _chain_root(ins[0], params, memo)
@@ -90,7 +68,7 @@ def _chain_root(node: fx.Node, params: dict[fx.Node, str], memo: dict) -> fx.Nod
 
 def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
     g = gm.graph
-    layouts = layouts_for(cap.param_names, cap.param_shapes, ctx.ws)
+    layouts = layouts_for(cap.param_names, cap.param_shapes, ctx.dp)
     phs, out, loss, _ = parts(gm)
     params = {ph: name for ph, name in zip(phs[: cap.n_params], cap.param_names)}
     nodes = list(g.nodes)
@@ -108,12 +86,12 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
 
     def gather(ph: fx.Node, before: fx.Node, phase: str) -> fx.Node:
         with g.inserting_before(before):
-            s = _emit.cast(g, ph, compute[ph])
-            return _emit.all_gather(g, s, layouts[params[ph]], ctx.group, param=params[ph], phase=phase, stage=ctx.stage)
+            s = emit.cast(g, ph, compute[ph])
+            return emit.all_gather(g, s, layouts[params[ph]], ctx.group, param=params[ph], phase=phase, stage=ctx.stage)
 
     # placeholders enter as shards (in the master dtype under mixed precision)
     for ph, name in params.items():
-        ph.meta["val"] = _emit.fake(layouts[name].local_shape, store[ph], ph.meta["val"].device)
+        ph.meta["val"] = emit.fake(layouts[name].local_shape, store[ph], ph.meta["val"].device)
 
     # backward first, on the original links: every backward read of a parameter or of a forward
     # view/cast chain of it is redirected to a copy of that chain on a backward gather

@@ -6,7 +6,7 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 - compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward
   under full recomputation, all of it but each dense layer's down projection under block, the
   attention core under selective) over the GPUs, at the accelerator's
-  fitted share of the datasheet peak (clusters.Accelerator.efficiency), plus the memory-bound
+  fitted share of the datasheet peak (costmodel.Device.efficiency), plus the memory-bound
   kernels' bytes (norms, activations, residual adds, unfused attention scores:
   models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth;
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..costmodel.optimizer import update_time
 from .clusters import ClusterSpec
 from .models import ModelSpec
 
@@ -67,7 +68,7 @@ class Strategy:
     it by an all-to-all, there and back."""
     efficiency: float | None = None
     """Achieved fraction of peak FLOP/s of the compute; None: the accelerator's fitted curve of the
-    per-GPU matrix width (clusters.Accelerator.efficiency)."""
+    per-GPU matrix width (costmodel.Device.efficiency)."""
     dp_exposed: float = 0.1
     """Share of the data-parallel communication not hidden behind the backward."""
     tp_exposed: float | None = None
@@ -232,10 +233,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         1.0 if st.zero == 3 and st.pp == 1 else (0.75 if layer_rerun else 2 / 3))
     dp_exposed = max(st.dp_exposed * dp_comm, dp_comm - window)
 
-    # optimizer: read/write fp32 master, two moments, read the gradient: ~28 bytes per parameter held
+    # optimizer: a fused AdamW over the fp32 master of the parameters held (costmodel/optimizer.py:
+    # read master, gradient and two moments, write three: 28 bytes a parameter)
     z = lambda stage, n: group(n) if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
     opt_params = dense_params / z(1, dp) + expert_params / z(1, dp // st.ep)
-    optimizer = 28.0 * opt_params / acc.hbm_bw
+    optimizer = update_time(4.0 * opt_params, acc.hbm_bw)
 
     tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else st.dp_exposed)
     step = compute + tp_share * tp_comm + ep_comm + bubble + dp_exposed + optimizer

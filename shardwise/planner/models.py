@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..costmodel.compute import flops_per_token
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -77,9 +79,8 @@ class ModelSpec:
         """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is
         no multiply; a tied head still is one) plus 12·L·d·T for attention (PaLM's formula; d the
         query width, heads x head size)."""
-        seq = seq or self.seq
         matmul = self.layers * (self.layer_params(True) - 2 * self.hidden) + self.vocab * self.hidden
-        return 6.0 * matmul + 12.0 * self.layers * self.q_dim * seq
+        return flops_per_token(matmul, self.layers, self.q_dim, seq or self.seq)
 
     def layer_activation_bytes(self, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                                recompute: str = "none", fused_attention: bool = True, capacity: float = 1.0) -> float:
@@ -185,3 +186,14 @@ def model(name_or_path: str) -> ModelSpec:
     if name_or_path.endswith(".json"):
         return from_hf_config(name_or_path)
     raise ValueError(f"unknown model {name_or_path!r}: a preset ({', '.join(MODELS)}) or a config.json path")
+
+
+def from_builtin(model) -> ModelSpec:
+    """The ``ModelSpec`` of a built-in model (shardwise.models: GPT, Llama, MoE), from its config."""
+    c = model.cfg
+    gpt = hasattr(c, "tie")
+    return ModelSpec(type(model).__name__.lower(), c.n_layer, c.d_model, c.n_head, getattr(c, "n_kv_head", c.n_head),
+                     4 * c.d_model if gpt else c.ffn, c.vocab, seq=c.seq, gated=not gpt, tied=gpt and c.tie,
+                     experts=getattr(c, "n_expert", 1), top_k=getattr(c, "top_k", 1) if hasattr(c, "n_expert") else 1,
+                     bias=gpt and c.bias, learned_positions=c.seq if gpt else 0,
+                     dropout=gpt and c.dropout > 0)

@@ -1,7 +1,7 @@
 """Predictions of ``shardwise plan`` against published (and our own) measured runs.
 
 Each run names its source. ``fitted`` marks the runs the efficiency curve was fitted on
-(clusters.Accelerator.efficiency); every other run is predicted blind.
+(costmodel.Device.efficiency); every other run is predicted blind.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..costmodel.collectives import bus_factor
 from .clusters import cluster
 from .estimate import Strategy, estimate
 from .models import ModelSpec, model
@@ -42,7 +43,7 @@ MAXTEXT = "MaxText, MaxText/configs/v5p/README.md and the v5p/<size>.sh configs 
           "maxtext): TFLOP/s per chip at sequence 2048, FSDP with tensor parallelism, flash attention, synthetic data"
 
 
-def _maxtext(scale: int) -> ModelSpec:
+def maxtext_model(scale: int) -> ModelSpec:
     # MaxText's base model (width 2048, 16 heads of 128, MLP 7168 gated, 16 layers, vocabulary 32000,
     # untied) grown by global_parameter_scale: each factor of 8 doubles heads and MLP, width, layers
     e, r = divmod(scale.bit_length() - 1, 3)
@@ -61,7 +62,7 @@ def _maxtext_step(m: ModelSpec, per_chip: int, tflops: float) -> float:
 
 def _v5p(label: str, scale: int, slice_: str, per_chip: int, remat: str, tp: int, tflops: float,
          fitted: bool = False) -> "Run":
-    m = _maxtext(scale)
+    m = maxtext_model(scale)
     chips = cluster(f"tpu-v5p:{slice_}").gpus
     step = _maxtext_step(m, per_chip, tflops)
     return Run(f"{label} on TPU v5p {slice_} ({chips} chips), tp={tp} + FSDP, {per_chip}x2048 per chip, "
@@ -80,7 +81,7 @@ MAXTEXT_V5E = "MaxText, MaxText/configs/v5e/README.md (1 to 32 v5e-256 slices) a
 def _v5e(label: str, scale: int, per_chip: int, tflops: float, fitted: bool = False, slices: int = 1) -> "Run":
     # v5e-256 slices (16x16 tori), FSDP over each slice's chips, data parallel across slices over the
     # data-center network (MaxText's default for several slices), every layer rematerialized
-    m = _maxtext(scale)
+    m = maxtext_model(scale)
     step = _maxtext_step(m, per_chip, tflops)
     many = slices > 1
     return Run(f"{label} on {f'{slices} x ' if many else ''}TPU v5e 16x16 ({256 * slices} chips), FSDP"
@@ -134,7 +135,7 @@ def _titan(gpus: int, compiled: bool, tps: float) -> "Run":
                2 * 8192 / tps, TORCHTITAN)
 
 
-def _megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+def megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
     # Megatron's GPT: vocabulary 51,200, sequence 2048, GELU MLP of 4h, biases, learned positions, tied head
     return ModelSpec(name, layers, hidden, heads, heads, 4 * hidden, 51200, seq=2048, gated=False, tied=True,
                      bias=True, learned_positions=2048, dropout=True)
@@ -163,12 +164,12 @@ def _tab5(label, model, nodes, pp, batch, micro, virtual, full_s, seqsel_s, fitt
 
 
 RUNS: list[Run] = [
-    *_tab5("22B, 8 GPUs, t=8", _megatron_gpt("megatron-22b", 48, 6144, 64), 1, 1, 4, 4, 1, 1.42, 1.10, True),
-    *_tab5("175B, 64 GPUs, t=8 p=8", _megatron_gpt("gpt3-175b", 96, 12288, 96), 8, 8, 64, 1, 3, 18.13, 13.75, True),
-    *_tab5("530B, 280 GPUs, t=8 p=35", _megatron_gpt("mt-nlg-530b", 105, 20480, 128), 35, 35, 280, 1, 3, 49.05, 37.83),
-    *_tab5("1T, 512 GPUs, t=8 p=64", _megatron_gpt("megatron-1t", 128, 25600, 160), 64, 64, 512, 1, 1, 94.42, 71.49),
+    *_tab5("22B, 8 GPUs, t=8", megatron_gpt("megatron-22b", 48, 6144, 64), 1, 1, 4, 4, 1, 1.42, 1.10, True),
+    *_tab5("175B, 64 GPUs, t=8 p=8", megatron_gpt("gpt3-175b", 96, 12288, 96), 8, 8, 64, 1, 3, 18.13, 13.75, True),
+    *_tab5("530B, 280 GPUs, t=8 p=35", megatron_gpt("mt-nlg-530b", 105, 20480, 128), 35, 35, 280, 1, 3, 49.05, 37.83),
+    *_tab5("1T, 512 GPUs, t=8 p=64", megatron_gpt("megatron-1t", 128, 25600, 160), 64, 64, 512, 1, 1, 94.42, 71.49),
     # vTrain's fastest measured configuration of each model size (global batch, micro-batch, t, d, p)
-    *[Run(f"{label} on {g} A100s, t={t} p={p} micro-batch {mb}, batch {gb}", _megatron_gpt(f"gpt-{label}", L, h, a),
+    *[Run(f"{label} on {g} A100s, t={t} p={p} micro-batch {mb}, batch {gb}", megatron_gpt(f"gpt-{label}", L, h, a),
           f"a100-800g:{g // 8}", Strategy(tp=t, pp=p, zero=0, micro_batch=mb, global_batch=gb, recompute="full",
                                           sp=False, fused_attention=False), ms / 1e3, VTRAIN)
       for label, g, gb, mb, h, a, L, t, p, ms in [
@@ -246,7 +247,7 @@ def vtrain_all() -> list[dict]:
             t, p, g = int(n["tensor parallelism"]), int(n["pipeline parallelism"]), int(n["# GPUs"])
             if t > 8:
                 continue
-            m = _megatron_gpt(f"gpt-{n['Parameters (billion)']}B", int(n["# layers"]), int(n["hidden size"]),
+            m = megatron_gpt(f"gpt-{n['Parameters (billion)']}B", int(n["# layers"]), int(n["hidden size"]),
                               int(n["attention heads"]))
             st = Strategy(tp=t, pp=p, zero=0, micro_batch=int(n["micro batch"]), global_batch=int(n["global batch"]),
                           recompute="full", sp=False, fused_attention=False)
@@ -280,10 +281,6 @@ class CollectiveRun:
     """The figure the planner's link constant was taken from (not a prediction)."""
 
 
-def _busbw_factor(kind: str, n: int) -> float:
-    return 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
-
-
 COLLECTIVE_RUNS: list[CollectiveRun] = [
     CollectiveRun("8 H100, NVLink4/NVSwitch, ring reduce-scatter (and all-gather, ring all-reduce)", "dgx-h100:1",
                   "reduce_scatter", 8, 370e9, "NVIDIA/nccl-tests#212", input=True),
@@ -306,7 +303,7 @@ def collective_table(runs: list[CollectiveRun] = COLLECTIVE_RUNS, nbytes: float 
     rows = []
     for r in runs:
         t = cluster(r.cluster).collective_s(r.kind, nbytes, r.gpus)
-        pred = nbytes / t * _busbw_factor(r.kind, r.gpus)
+        pred = nbytes / t * bus_factor(r.kind, r.gpus)
         rows.append({"run": r.label, "measured_gbs": r.measured_busbw / 1e9, "predicted_gbs": pred / 1e9,
                      "error": pred / r.measured_busbw - 1, "input": r.input, "source": r.source})
     return rows

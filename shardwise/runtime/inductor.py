@@ -44,9 +44,10 @@ def compile_graph(gm: fx.GraphModule) -> Callable:
 
 
 def copies_out(gm: fx.GraphModule) -> bool:
-    from .actoffload import TO_HOST
+    """Whether the graph copies values to the host on a side stream (activation offload)."""
+    from ..sharding.ops import info
 
-    return any(n.target is TO_HOST for n in gm.graph.nodes)
+    return any(info(n.target).to_host for n in gm.graph.nodes)
 
 
 def _keep_order() -> dict:

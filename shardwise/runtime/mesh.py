@@ -1,13 +1,24 @@
-"""Device meshes on torch.distributed: process-group set-up and the data-parallel axis."""
+"""Device meshes on torch.distributed: process-group set-up and named mesh axes.
+
+A mesh names its axes (``dp``, ``tp``, ...) outermost first, tensor parallel innermost so that its
+ranks are adjacent (one node's GPUs); the product of the axis sizes is the world size. It is a torch
+``DeviceMesh`` underneath, one process group per axis.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..errors import MeshError
+
+AXES = ("dp", "ep", "tp")
+"""Mesh axes in mesh order, outermost first (tensor parallel innermost: adjacent ranks)."""
 
 
 def ensure_process_group() -> None:
@@ -25,33 +36,52 @@ def ensure_process_group() -> None:
 
 @dataclass(frozen=True)
 class Mesh:
-    """The devices a job runs on, by named axis. Only a data-parallel axis ``dp`` exists so far."""
+    """The devices a job runs on, by named axis (``AXES``, outermost first)."""
 
     device_mesh: DeviceMesh
     device: torch.device
 
     @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(self.device_mesh.mesh_dim_names)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Size of each axis, outermost first."""
+        return {a: self.device_mesh.size(i) for i, a in enumerate(self.axes)}
+
+    def size(self, axis: str) -> int:
+        """Ranks along ``axis`` (1 for an axis the mesh does not have)."""
+        return self.shape.get(axis, 1)
+
+    def group(self, axis: str = "dp") -> dist.ProcessGroup:
+        """The process group of this rank's line along ``axis``."""
+        if axis not in self.axes:
+            raise MeshError(f"the mesh has no {axis!r} axis (its axes: {', '.join(self.axes)})")
+        return self.device_mesh.get_group(axis)
+
+    def rank(self, axis: str = "dp") -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.device_mesh.get_local_rank(axis) if axis in self.axes else 0
+
+    @property
     def dp(self) -> int:
-        return self.device_mesh.size(0)
+        """Ranks on the data-parallel axis."""
+        return self.size("dp")
 
     @property
-    def group(self) -> dist.ProcessGroup:
-        return self.device_mesh.get_group("dp")
-
-    @property
-    def group_name(self) -> str:
-        return self.group.group_name
-
-    @property
-    def rank(self) -> int:
-        return self.device_mesh.get_local_rank("dp")
+    def backend(self) -> str:
+        return dist.get_backend(self.group(self.axes[0]))
 
     def __str__(self) -> str:
-        return f"mesh(dp={self.dp}, device={self.device.type}, backend={dist.get_backend(self.group)})"
+        axes = ", ".join(f"{a}={n}" for a, n in self.shape.items())
+        return f"mesh({axes}, device={self.device.type}, backend={self.backend})"
 
 
-def mesh(dp: int | None = None, device: str | torch.device | None = None) -> Mesh:
-    """A mesh over every rank of the job, all on the ``dp`` axis.
+def mesh(dp: int | None = None, tp: int | None = None, ep: int | None = None,
+         device: str | torch.device | None = None) -> Mesh:
+    """A mesh over every rank of the job, by named axes; their product must be the world size. An
+    axis left out is 1, but ``dp`` takes the ranks the others leave.
 
     Starts the process group if none is running: from torchrun's environment (NCCL on GPUs,
     gloo on CPUs), or a one-rank gloo group in a plain single process.
@@ -60,34 +90,41 @@ def mesh(dp: int | None = None, device: str | torch.device | None = None) -> Mes
 
         >>> import shardwise as sw
         >>> m = sw.mesh(dp=1)
-        >>> m.dp
-        1
+        >>> m.dp, m.axes
+        (1, ('dp',))
     """
-    if dp is not None and (not isinstance(dp, int) or dp < 1):
-        raise ValueError(f"mesh: dp must be a positive int, got {dp!r}")
+    given = {"dp": dp, "ep": ep, "tp": tp}
+    for a, n in given.items():
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise MeshError(f"mesh: {a} must be a positive int, got {n!r}")
+    want = math.prod(n for n in given.values() if n is not None)
     launch_hint = (
-        f"launch with `torchrun --nproc-per-node {dp} ...`, or `shardwise train --nproc {dp}`, "
+        f"launch with `torchrun --nproc-per-node {want} ...`, or `shardwise train --nproc {want}`, "
         "or call torch.distributed.init_process_group first"
     )
-    if not dist.is_initialized() and dp not in (None, 1) and "RANK" not in os.environ:
-        raise ValueError(f"mesh(dp={dp}) needs {dp} processes but this is a single process: {launch_hint}")
+    described = ", ".join(f"{a}={n}" for a, n in given.items() if n is not None)
+    if not dist.is_initialized() and want != 1 and "RANK" not in os.environ:
+        raise MeshError(f"mesh({described}) needs {want} processes but this is a single process: {launch_hint}")
     ensure_process_group()
     ws = dist.get_world_size()
-    if ws == 1 and dp not in (None, 1):
-        raise ValueError(f"mesh(dp={dp}) needs {dp} processes but this job has one: {launch_hint}")
+    if ws == 1 and want != 1:
+        raise MeshError(f"mesh({described}) needs {want} processes but this job has one: {launch_hint}")
+    others = math.prod(n for a, n in given.items() if a != "dp" and n is not None)
     if dp is None:
-        dp = ws
-    if dp != ws:
-        raise ValueError(
-            f"mesh(dp={dp}) does not cover the job: the world has {ws} ranks and dp is the only axis, "
-            f"so dp must equal {ws} (or be omitted)"
+        if ws % others:
+            raise MeshError(f"mesh({described}): the other axes take {others} ranks, which does not divide the "
+                            f"job's {ws}")
+        dp = ws // others
+    if dp * others != ws:
+        raise MeshError(
+            f"mesh({described}) does not cover the job: the world has {ws} ranks and the axes multiply to "
+            f"{dp * others}, so dp must equal {ws // others if ws % others == 0 else 'a divisor'} (or be omitted)"
         )
     backend = dist.get_backend()
     if device is None:
-        if backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
-    dm = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
+    sizes = {"dp": dp, "ep": ep or 1, "tp": tp or 1}
+    names = tuple(a for a in AXES if a == "dp" or given[a] is not None)
+    dm = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
     return Mesh(dm, device)

@@ -36,6 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed
 
+from .ops import HostReadyWork, ReadyWork
+
 
 def _zero_init(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt`` is one whose lazily made state is zeros plus a CPU ``step`` scalar (Adam, AdamW
@@ -250,7 +252,7 @@ class StreamedOptimizer:
         return b
 
     @torch.no_grad()
-    def _host_update(self, arrived: dict, published: dict[str, Future]) -> None:
+    def run_host_update(self, arrived: dict, published: dict[str, Future]) -> None:
         """Worker thread: step each host parameter once its gradient is home, then send its compute
         weights to the device (``published[name]`` gets the copy's event)."""
         try:
@@ -288,7 +290,7 @@ class StreamedOptimizer:
                     f.set_exception(e)
             raise
 
-    def _start_host(self, grads: dict[str, torch.Tensor], main) -> dict[str, Future]:
+    def start_host(self, grads: dict[str, torch.Tensor], main) -> dict[str, Future]:
         """Send the host parameters' gradients down (in forward order, on their own stream, after the
         step's graph) and start the worker; returns each parameter's future copy-up event. The host
         groups take the user's groups' current hyperparameters first (a scheduler changes ``lr``)."""
@@ -312,7 +314,7 @@ class StreamedOptimizer:
                     ev.record()
             arrived[n] = ev
             published[n] = Future()
-        self._host_job = self._worker.submit(self._host_update, arrived, published)
+        self._host_job = self._worker.submit(self.run_host_update, arrived, published)
 
         def failed(job):  # a worker that never ran must not leave the next step's graph waiting
             if job.exception() is not None:
@@ -531,7 +533,7 @@ class StreamedOptimizer:
         main = torch.cuda.current_stream(self.device) if self.cuda else None
         cur = self.upd if self.overlap else main  # the stream the update runs on
         # the host part first: its gradients go down ahead of the streamed chunks' traffic
-        published = self._start_host(grads, main) if self.host else {}
+        published = self.start_host(grads, main) if self.host else {}
         if self.overlap:
             cur.wait_stream(main)  # the gradients exist and the step's graph is done with the shards
             for n, g in grads.items():
@@ -634,11 +636,11 @@ class StreamedOptimizer:
             for n, ev in ready.items():
                 c = self.compute.get(n)
                 if c is not None:
-                    _register_work(c, _Ready(ev))
+                    _register_work(c, ReadyWork(ev))
             for n, fut in published.items():
                 c = self.compute.get(n)
                 if c is not None:
-                    _register_work(c, _HostReady(fut))
+                    _register_work(c, HostReadyWork(fut))
             return
         self._join_host()
         if self.host and self.cuda:
@@ -661,30 +663,3 @@ class StreamedOptimizer:
             if self.overlap:
                 for c in self.compute.values():
                     torch.ops._c10d_functional.wait_tensor(c)
-
-
-class _Ready(torch.distributed.Work):
-    """A work whose ``wait`` makes the current stream wait for one parameter's update event."""
-
-    def __init__(self, event):
-        super().__init__()
-        self.event = event
-
-    def wait(self, timeout=None) -> bool:
-        torch.cuda.current_stream().wait_event(self.event)
-        return True
-
-
-class _HostReady(torch.distributed.Work):
-    """A work whose ``wait`` blocks the host until the host update has sent one parameter's weights,
-    then makes the current stream wait for that copy."""
-
-    def __init__(self, published: Future):
-        super().__init__()
-        self.published = published
-
-    def wait(self, timeout=None) -> bool:
-        ev = self.published.result(timeout.total_seconds() if timeout else None)
-        if ev is not None:
-            torch.cuda.current_stream().wait_event(ev)
-        return True

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..passes import _emit
+from ..sharding.collective import collective_of
+from .executor import eager_safe
 
 _C10D = "_c10d_functional"
 
 
 def _is_comm(n: fx.Node) -> bool:
-    return n.meta.get("sw") is not None or _C10D in str(n.target)
+    return collective_of(n) is not None or _C10D in str(n.target)
 
 
 class _Timer(fx.Interpreter):
@@ -65,7 +66,7 @@ def node_times(gm: fx.GraphModule, inputs: list, device: torch.device, group: di
     cpu_rng = torch.get_rng_state()
     gpu_rng = torch.cuda.get_rng_state(device) if cuda else None
     best: dict[str, float] = {}
-    eager = _emit.eager_safe(gm)
+    eager = eager_safe(gm)
     try:
         for _ in range(reps):
             t = _Timer(eager, cuda)
@@ -84,7 +85,7 @@ def node_times(gm: fx.GraphModule, inputs: list, device: torch.device, group: di
     return best
 
 
-def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for a, b in sorted(iv):
         if out and a <= out[-1][1]:
@@ -98,7 +99,7 @@ def _length(iv) -> float:
     return sum(b - a for a, b in iv)
 
 
-def _subtract(iv, cut) -> float:
+def subtract(iv, cut) -> float:
     """Length of the union ``iv`` not covered by the union ``cut`` (both merged, sorted)."""
     total, j = 0.0, 0
     for a, b in iv:
@@ -117,7 +118,7 @@ _NCCL_KINDS = (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
                ("sendrecv", "send_recv"), ("alltoall", "all_to_all"), ("broadcast", "broadcast"))
 
 
-def _nccl_kind(name: str) -> str:
+def nccl_kind(name: str) -> str:
     flat = name.lower().replace("_", "")
     return next((kind for key, kind in _NCCL_KINDS if key in flat), "other")
 
@@ -133,7 +134,7 @@ def exposed_by_kernel(comm: list[tuple[float, float, str]], comp) -> tuple[dict[
     comm = sorted(set(comm))
     t0 = min([a for a, _, _ in comm] + [a for a, _ in comp], default=0.0)
     for a, b, kind in comm:
-        x = _subtract([(a, b)], comp)
+        x = subtract([(a, b)], comp)
         by[kind] = by.get(kind, 0.0) + x
         if x > 0:
             rows.append({"kind": kind, "at_ms": round((a - t0) / 1e3, 3), "exposed_ms": round(x / 1e3, 3),
@@ -167,16 +168,16 @@ def exposed_comm(prof) -> dict[str, Any]:
     gpu = torch.autograd.DeviceType.CUDA
     kernels = [e for e in prof.events() if e.device_type == gpu]
     if kernels:
-        nccl = [(e.time_range.start, e.time_range.end, _nccl_kind(e.name)) for e in kernels if "nccl" in e.name.lower()]
-        comm = _merge([(a, b) for a, b, _ in nccl])
+        nccl = [(e.time_range.start, e.time_range.end, nccl_kind(e.name)) for e in kernels if "nccl" in e.name.lower()]
+        comm = merge([(a, b) for a, b, _ in nccl])
         compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
-        comp = _merge(compute)
+        comp = merge(compute)
         by, top = exposed_by_kernel(nccl, comp)
         held, held_us = gathers_held_back(nccl, compute)
-        return {"comm_s": _length(comm) / 1e6, "exposed_s": _subtract(comm, comp) / 1e6,
+        return {"comm_s": _length(comm) / 1e6, "exposed_s": subtract(comm, comp) / 1e6,
                 "exposed_by_kind_s": {k: v / 1e6 for k, v in sorted(by.items())}, "exposed_top": top,
                 "gathers_held_back": held, "gathers_held_back_s": held_us / 1e6}
-    waits = _merge([(e.time_range.start, e.time_range.end) for e in prof.events()
+    waits = merge([(e.time_range.start, e.time_range.end) for e in prof.events()
                     if e.name.endswith("wait_tensor") or e.name in ("c10d::wait", "aten::wait")])
     return {"comm_s": None, "exposed_s": _length(waits) / 1e6}
 

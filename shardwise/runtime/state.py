@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..costmodel.collectives import sent_bytes
 from ..sharding import ShardLayout
 
 # zero1/2 gather a parameter at least this large straight into its storage; smaller ones share a bucket
@@ -145,7 +146,7 @@ class ShardedState:
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, grads: dict[str, torch.Tensor], max_norm: float, group: dist.ProcessGroup, ws: int
+        self, grads: dict[str, torch.Tensor], max_norm: float, group: dist.ProcessGroup, ranks: int
     ) -> tuple[torch.Tensor, int]:
         """Scale gradients so that their global 2-norm is at most ``max_norm``; returns (norm, bytes sent).
 
@@ -154,7 +155,7 @@ class ShardedState:
         scale is ``torch.nn.utils.clip_grad_norm_``'s: ``min(1, max_norm / (norm + 1e-6))``.
         """
         gs = list(grads.values())
-        if self.strategy == "ddp" or ws == 1:
+        if self.strategy == "ddp" or ranks == 1:
             total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
             sent = 0
         else:
@@ -163,13 +164,13 @@ class ShardedState:
             host = _host_staged(group, sq)
             red = c10d.wait_tensor(c10d.all_reduce(sq.cpu() if host else sq, "sum", group.group_name))
             total = red.to(sq.device).reshape(()).sqrt()
-            sent = 2 * (ws - 1) * sq.element_size() // ws
+            sent = sent_bytes("all_reduce", sq.element_size(), ranks)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(gs, coef.to(gs[0].dtype))
         return total, sent
 
     @torch.no_grad()
-    def sync_full_from_master(self, group: dist.ProcessGroup, ws: int) -> int:
+    def sync_full_from_master(self, group: dist.ProcessGroup, ranks: int) -> int:
         """zero1/2: all-gather the updated master shards into the whole compute copies.
 
         A parameter whose rows split evenly is gathered straight into its own storage (no
@@ -186,16 +187,16 @@ class ShardedState:
                 continue
             full, lay = self.full[n], self.layouts[n]
             shard = self.master[n].detach().to(full.dtype)
-            sent += (ws - 1) * shard.numel() * shard.element_size()
-            if ws == 1:
+            sent += sent_bytes("all_gather", ranks * shard.numel() * shard.element_size(), ranks)
+            if ranks == 1:
                 full.copy_(lay.unshard(shard))
             elif self._gathers_in_place(n, group):
-                c10d.wait_tensor(c10d.all_gather_into_tensor_out(shard, ws, group.group_name, out=full.view(lay.padded_shape)))
+                c10d.wait_tensor(c10d.all_gather_into_tensor_out(shard, ranks, group.group_name, out=full.view(lay.padded_shape)))
             else:
                 by_dtype.setdefault(full.dtype, []).append(n)
         for dtype, names in by_dtype.items():
             flat = torch.cat([self.master[n].detach().reshape(-1).to(dtype) for n in names])
-            per_rank = _all_gather(flat, ws, group).view(ws, -1)
+            per_rank = _all_gather(flat, ranks, group).view(ranks, -1)
             off = 0
             for n in names:
                 lay = self.layouts[n]
@@ -211,10 +212,10 @@ class ShardedState:
         return (lay.pad_rows == 0 and full.is_contiguous() and full.numel() * full.element_size() >= IN_PLACE_BYTES
                 and not _host_staged(group, full))
 
-    def sync_transient_bytes(self, group: dist.ProcessGroup, ws: int) -> int:
+    def sync_transient_bytes(self, group: dist.ProcessGroup, ranks: int) -> int:
         """Bytes ``sync_full_from_master`` allocates at once: the flat shards of the parameters not
-        gathered in place, and their gathered copy (ws times as large)."""
-        if self.strategy not in ("zero1", "zero2") or ws == 1:
+        gathered in place, and their gathered copy (ranks times as large)."""
+        if self.strategy not in ("zero1", "zero2") or ranks == 1:
             return 0
         flat = 0
         for n in self.names:
@@ -223,32 +224,52 @@ class ShardedState:
                 continue
             if not self._gathers_in_place(n, group):
                 flat += lay.local_numel * full.element_size()
-        return (ws + 1) * flat
+        return (ranks + 1) * flat
+
+    def full_state_dict(self, model: nn.Module, group: dist.ProcessGroup, ranks: int, keep: bool) -> dict[str, torch.Tensor]:
+        """The whole model's weights and persistent buffers, keyed as ``model.state_dict()``, on the CPU
+        (``{}`` where not ``keep``). A collective: parameters are gathered one at a time, so the whole
+        model is never on one device."""
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        out: dict[str, torch.Tensor] = {}
+        gathered: dict[str, torch.Tensor] = {}
+        for key, t in model.state_dict(keep_vars=True).items():
+            name = canonical.get(id(t))
+            if name is None:
+                if keep:
+                    out[key] = t.detach().cpu().clone()
+                continue
+            if name not in gathered:
+                full = self.gather_full(name, group, ranks)
+                gathered[name] = full.cpu().clone() if keep else full
+            if keep:
+                out[key] = gathered[name]
+        return out
 
     @torch.no_grad()
-    def gather_full(self, name: str, group: dist.ProcessGroup, ws: int) -> torch.Tensor:
+    def gather_full(self, name: str, group: dist.ProcessGroup, ranks: int) -> torch.Tensor:
         """The whole value of parameter ``name`` (collective: every rank must call it)."""
         if self.strategy == "ddp":
             return self.full[name].detach()
         shard = self.master[name].detach().to(self.device)
         lay = self.layouts[name]
-        if ws == 1:
+        if ranks == 1:
             return lay.unshard(shard)
-        return lay.unshard(_all_gather(shard.contiguous(), ws, group))
+        return lay.unshard(_all_gather(shard.contiguous(), ranks, group))
 
 
 def _host_staged(group: dist.ProcessGroup, x: torch.Tensor) -> bool:
     return dist.get_backend(group) == "gloo" and x.device.type != "cpu"
 
 
-def _all_gather(x: torch.Tensor, ws: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, ranks: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenation along dim 0 of ``x`` from every rank (functional collective, waited).
 
     gloo ranks whose tensors are on a GPU gather through host copies."""
     c10d = torch.ops._c10d_functional
     if _host_staged(group, x):
-        return c10d.wait_tensor(c10d.all_gather_into_tensor(x.cpu(), ws, group.group_name)).to(x.device)
-    return c10d.wait_tensor(c10d.all_gather_into_tensor(x, ws, group.group_name))
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x.cpu(), ranks, group.group_name)).to(x.device)
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(x, ranks, group.group_name))
 
 
 def release_to_meta(model: nn.Module) -> None:
@@ -322,7 +343,7 @@ def _stay_fused(opt: torch.optim.Optimizer) -> None:
 
 def optimizer_kind(opt: torch.optim.Optimizer) -> str:
     """The optimizer and the kernel its step runs: ``AdamW (fused)``, ``(foreach)`` or ``(for-loop)``."""
-    from ..costmodel.memory import optimizer_kernel
+    from ..costmodel.optimizer import optimizer_kernel
 
     d = getattr(opt, "defaults", None) or {}
     if "fused" not in d and "foreach" not in d:

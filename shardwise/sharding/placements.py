@@ -38,19 +38,20 @@ class Partial:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """A parameter of ``shape`` stored as padded ``Shard(0)`` over ``ws`` ranks (as FSDP2 stores it).
+    """A parameter of ``shape`` stored as padded ``Shard(0)`` over the ``ranks`` of a mesh axis (as
+    FSDP2 stores it).
 
-    Dim 0 is padded up to a multiple of ``ws``; rank r holds rows ``[r*rows, (r+1)*rows)``. A 0-dim
+    Dim 0 is padded up to a multiple of ``ranks``; rank r holds rows ``[r*rows, (r+1)*rows)``. A 0-dim
     parameter is treated as shape ``(1,)``. Padding rows are zeros and stay zero under elementwise
     optimizers (zero gradient, zero state).
     """
 
     shape: tuple[int, ...]
-    ws: int
+    ranks: int
 
     def __post_init__(self):
-        if self.ws < 1:
-            raise ValueError(f"ShardLayout: ws must be >= 1, got {self.ws}")
+        if self.ranks < 1:
+            raise ValueError(f"ShardLayout: ranks must be >= 1, got {self.ranks}")
 
     @property
     def shape2(self) -> tuple[int, ...]:
@@ -58,7 +59,7 @@ class ShardLayout:
 
     @property
     def rows(self) -> int:
-        return math.ceil(self.shape2[0] / self.ws)
+        return math.ceil(self.shape2[0] / self.ranks)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -66,7 +67,7 @@ class ShardLayout:
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
-        return (self.rows * self.ws, *self.shape2[1:])
+        return (self.rows * self.ranks, *self.shape2[1:])
 
     @property
     def local_numel(self) -> int:
@@ -74,7 +75,7 @@ class ShardLayout:
 
     @property
     def pad_rows(self) -> int:
-        return self.rows * self.ws - self.shape2[0]
+        return self.rows * self.ranks - self.shape2[0]
 
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's piece of ``full`` as a new contiguous tensor (padding rows zero)."""

@@ -33,7 +33,6 @@ that fails (out of memory, missing package) is recorded with its error; the othe
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import gc
 import importlib.util
@@ -43,239 +42,27 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, fields
 
 import torch
 import torch.distributed as dist
 
-SYSTEMS = ("shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2", "fsdp2-compile", "fsdp2-offload", "deepspeed",
-           "deepcompile")
-
-# dense bf16 peak FLOP/s from the datasheets (MFU is quoted against these, as the literature does)
-PEAK_BF16 = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
-
-
-@dataclass
-class BenchConfig:
-    model: str = "gpt"
-    """Built-in model (gpt, llama, moe)."""
-    size: str = "small"
-    """Model preset (tiny, small, 124m, 1b, 3b, 8b)."""
-    batch: int = 8
-    """Sequences per rank per step."""
-    seq: int | None = None
-    """Sequence length; None: the model's."""
-    precision: str = "fp32"
-    """fp32, or bf16 (bf16 compute, fp32 master weights, optimizer and reduction) for every system."""
-    checkpoint: bool = False
-    """Activation checkpointing per block, for every system."""
-    strategy: str = "zero3"
-    """shardwise's strategy."""
-    executor: str = "auto"
-    """shardwise's executor: fx, inductor, or auto (inductor on CUDA, fx on CPU)."""
-    steps: int = 5
-    """Timed steps per system."""
-    warmup: int = 2
-    """Untimed steps first (compilation happens here)."""
-    lr: float = 1e-4
-    seed: int = 0
-    systems: list[str] = field(default_factory=lambda: ["shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2"])
-    memory_fraction: float | None = None
-    """CUDA: cap every system at this fraction of device memory (``set_per_process_memory_fraction``)."""
-    link_profile: str | None = None
-    """shardwise's link profile: a preset name or a JSON file from ``shardwise calibrate``; None: the preset
-    for the backend."""
-    trace_dir: str | None = None
-    """Write rank 0's chrome trace of the profiled step of each system here (``<system>.json.gz``)."""
-    memory_sites: bool = False
-    """CUDA: record the allocator over one more step and add to each row the blocks live at its peak,
-    grouped by where they were allocated (``memory_at_peak``)."""
-    system_timeout: float | None = None
-    """Stop a system whose warm-up is still running this many seconds after it began (checked after
-    each warm-up step, agreed by every rank): its row gets the error, the next system runs."""
-
-    def __post_init__(self):
-        bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
-        if bad:
-            raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
-        for s in self.systems:
-            _options(s)
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
-        if self.executor not in ("auto", "fx", "inductor"):
-            raise ValueError(f"bench: executor must be auto, fx or inductor, got {self.executor!r}")
-        if self.system_timeout is not None and self.system_timeout < 0:
-            raise ValueError(f"bench: --system-timeout is seconds a system's warm-up may run, >= 0; "
-                             f"got {self.system_timeout}")
-        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"bench: --memory-fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.link_profile is not None:
-            from .costmodel import PRESETS
-
-            if self.link_profile not in PRESETS and not os.path.isfile(self.link_profile):
-                raise ValueError(f"bench: --link-profile {self.link_profile!r} is neither a preset "
-                                 f"({', '.join(PRESETS)}) nor a file: run `shardwise calibrate --out FILE` first")
-        if self.steps < 1 or self.warmup < 1:
-            raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _model(cfg: BenchConfig, device):
-    from .models import build
-
-    torch.manual_seed(cfg.seed)
-    # initialised where it runs: on one host thread (torchrun's OMP_NUM_THREADS=1) the 1.1B shape's
-    # initialisation takes 23 s on our CPU machine, so the 8B shape's a minute or more of each system's
-    # set-up; every rank draws the same weights from the same seed on the same kind of device
-    with torch.device(device):
-        return build(cfg.model, cfg.size, checkpoint=cfg.checkpoint)
+from .config import BenchConfig, options
+from .peers import bench_device, build_model, peer, sync
+from .plot import plot
 
 
 def flops_per_token(model, seq: int) -> float:
-    """6N + 12·L·d·T (PaLM): N parameters a token runs through, L layers, d model width, T sequence
-    length. For a mixture of experts N counts ``top_k`` of the ``n_expert`` experts (the model's
-    FLOPs, whatever the dispatch computes on top: the dense path runs all experts, capacity dispatch
-    pads by its factor)."""
-    c = model.cfg
-    n = sum(p.numel() for p in model.parameters())
-    e, k = getattr(c, "n_expert", 1), getattr(c, "top_k", 1)
-    if e > 1:
-        experts = sum(p.numel() for name, p in model.named_parameters() if name.endswith((".ffn.w1", ".ffn.w2", ".ffn.w3")))
-        n -= experts * (e - k) / e
-    return 6.0 * n + 12.0 * c.n_layer * c.d_model * seq
+    """Training FLOPs per token of a built-in model at sequence ``seq``: the planner's count of its shape
+    (costmodel.flops_per_token: 6 per weight a token multiplies, top_k of an MoE's experts, plus
+    12·L·d·T), so a measured MFU and a planned one are the same quantity."""
+    from ..planner.models import from_builtin
 
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _autocast(cfg, device):
-    if cfg.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def _peer(system: str, cfg: BenchConfig, model, device):
-    """(step function taking a batch and returning the loss, optimizer) for a peer system."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if system.split(":")[0] in ("deepspeed", "deepcompile"):
-        return _deepspeed(system, cfg, model, device)
-    kind = system.split(":")[0]
-    if kind in ("fsdp2", "fsdp2-compile", "fsdp2-offload"):
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if cfg.precision == "bf16" else MixedPrecisionPolicy()
-        # fsdp2-offload: sharded parameters, gradients and the optimizer step on the host (pinned)
-        off = CPUOffloadPolicy() if kind == "fsdp2-offload" else OffloadPolicy()
-        for blk in model.blocks:
-            fully_shard(blk, mp_policy=mp, offload_policy=off)
-        fully_shard(model, mp_policy=mp, offload_policy=off)
-        run = torch.compile(model) if kind == "fsdp2-compile" else model
-        amp = False  # FSDP2 casts the parameters itself
-    elif kind == "ddp":
-        run = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        amp = cfg.precision == "bf16"
-    else:  # compile: this rank alone, no communication
-        run = torch.compile(model)
-        amp = cfg.precision == "bf16"
-    # fused=1: torch's fused AdamW kernel, the update shardwise runs on CUDA; default: torch's own
-    # default (foreach on CUDA)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **({"fused": True} if _options(system).get("fused") else {}))
-
-    def step(batch):
-        with _autocast(cfg, device) if amp else contextlib.nullcontext():
-            loss = run(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, opt
-
-
-def _deepspeed(system, cfg, model, device):
-    if device.type != "cuda" or importlib.util.find_spec("deepspeed") is None:
-        raise RuntimeError("deepspeed is not installed on this CUDA machine (or this is not a CUDA machine)")
-    import deepspeed
-
-    opts = _options(system)
-    name = system.split(":")[0]
-    zero: dict = {"stage": 3}
-    conf = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
-            "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
-            "bf16": {"enabled": cfg.precision == "bf16"}}
-    if name == "deepcompile":
-        conf["compile"] = {"deepcompile": True, "offload_opt_states": bool(opts.get("ds_offload"))}
-    elif opts.get("ds_offload"):
-        # optimizer state in pinned host memory, stepped by DeepSpeed's CPU Adam; ratio < 1 keeps
-        # that share of it on the host and the rest on the GPU (ZeRO-3 partial offload)
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "ratio": opts.get("ds_ratio", 1.0)}
-    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
-    if name == "deepcompile":
-        engine.compile()
-
-    def step(batch):
-        loss = engine(*batch)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return step, opt
-
-
-# options a shardwise system may carry after a colon: ``shardwise:ops=1+inflight_mb=64+bucket_mb=128``
-_OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb", float),
-            "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str),
-            "offload": ("offload_optimizer", lambda v: "all" if v == "all" else bool(int(v))),
-            "chunk_mb": ("offload_chunk_mb", float), "overlap": ("offload_overlap", lambda v: bool(int(v))),
-            "host": ("offload_host_update", lambda v: v if v == "auto" else (float(v) or False)),
-            "recompute": ("recompute", lambda v: bool(int(v))),
-            "act": ("offload_activations", lambda v: bool(int(v))),
-            "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30)),
-            "fused": ("fused_optimizer", lambda v: bool(int(v))),
-            "overlap_update": ("overlap_update", lambda v: bool(int(v))),
-            "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else None if v == "off" else (int(v) or None))}
-
-# options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
-_PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
-
-
-# options of the deepspeed systems: ``deepspeed:offload=1+ratio=0.7``, ``deepcompile:offload=1``
-_DS_OPTIONS = {"offload": ("ds_offload", lambda v: bool(int(v))), "ratio": ("ds_ratio", float)}
-
-
-def _options(system: str) -> dict:
-    if ":" not in system:
-        return {}
-    table = (_OPTIONS if system.startswith("shardwise") else
-             _DS_OPTIONS if system.startswith(("deepspeed", "deepcompile")) else _PEER_OPTIONS)
-    out = {}
-    for item in system.split(":", 1)[1].split("+"):
-        k, _, v = item.partition("=")
-        if k not in table or not v:
-            raise ValueError(f"bench: bad option {item!r} in {system!r}: use k=v with k in {', '.join(table)}")
-        name, kind = table[k]
-        try:
-            out[name] = kind(v)
-        except ValueError:
-            takes = {"host": "a number or auto", "carveout": "a number, auto or off"}.get(k, "a number")
-            raise ValueError(f"bench: bad value in {item!r} of {system!r}: {k} takes {takes}") from None
-    if system.startswith("deepcompile") and "ds_ratio" in out:
-        raise ValueError(f"bench: {system!r}: ratio is a ZeRO-3 offload setting; deepcompile takes offload=1 only")
-    return out
+    return from_builtin(model).flops_per_token(seq)
 
 
 def _cpu_peak(fn, model, opt) -> int | None:
-    from .runtime.memory import tracked_peak
+    from ..runtime.memory import tracked_peak
 
     try:
         return tracked_peak(fn, model, opt)[1]
@@ -289,18 +76,18 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     gloo group for the small host-side agreements (the default group may be NCCL)."""
     import shardwise as sw
 
-    from .data import SyntheticStream
-    from .runtime.memory import measure
-    from .runtime.profile import profiled
+    from ..data import SyntheticStream
+    from ..runtime.memory import measure
+    from ..runtime.profile import profiled
 
-    device = _device()
+    device = bench_device()
     rank, ws = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
     # each system compiles from a clean slate: dynamo's per-code cache is shared by every system of
     # the process, and entries left by an earlier one count towards its recompile limit (past it,
     # dynamo silently runs eager)
     torch._dynamo.reset()
-    model = _model(cfg, device)
+    model = build_model(cfg, device)
     seq = cfg.seq or model.cfg.seq
     fpt = flops_per_token(model, seq)
     data = SyntheticStream(model.cfg.vocab, seq, cfg.batch, cfg.seed)
@@ -316,7 +103,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     if system.startswith("shardwise"):
         mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if cfg.precision == "bf16" else None
         executor = cfg.executor if cfg.executor != "auto" else ("inductor" if device.type == "cuda" else "fx")
-        opts = {"schedule": not system.startswith("shardwise-noopt"), **_options(system)}
+        opts = {"schedule": not system.startswith("shardwise-noopt"), **options(system)}
         job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=cfg.lr), strategy=cfg.strategy,
                          mesh=sw.mesh(), mixed_precision=mp, compile=opts.pop("compile", executor),
                          link_profile=cfg.link_profile, **opts)
@@ -327,8 +114,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         # compilation allocates (autotuning) beyond what the step itself needs
         job.replan_at = 2
     else:
-        step, opt = _peer(system, cfg, model, device)
-    from .runtime.state import optimizer_kind
+        step, opt = peer(system, cfg, model, device)
+    from ..runtime.state import optimizer_kind
 
     inner = getattr(opt, "optimizer", None)  # DeepSpeed's ZeRO wrapper holds the optimizer that steps
     row["optimizer"] = optimizer_kind(inner if isinstance(inner, torch.optim.Optimizer) else opt)
@@ -351,9 +138,9 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     for i in range(warmup):
         t = time.perf_counter()
         step(batches[i % len(batches)])
-        _sync(device)
+        sync(device)
         times.append(round(time.perf_counter() - t, 4))
-        new = _recompile_reasons(reasons)
+        new = recompile_reasons(reasons)
         if rank == 0:
             print(f"{system}: warm-up step {i + 1}/{warmup} {times[-1]:.3f} s"
                   + (f"; recompiled: {new[-1][:160]}" if new else ""), flush=True)
@@ -371,8 +158,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     if system.startswith("shardwise"):
         # the warm-up also holds the steps that decide the plan (offload residency, a budget's check)
         # and a step that times the update of the plan made
-        while (job._residency_pending or (job.memory_budget is not None and job.steps < job.replan_at)
-               or not job._programs  # a plan made again runs (and compiles) inside the warm-up
+        while (job.plan.residency_pending or (job.memory_budget is not None and job.steps < job.replan_at)
+               or not job.programs()  # a plan made again runs (and compiles) inside the warm-up
                or job.last_optimizer_s is None):
             step(batches[0])
             row["warmup_steps"] += 1
@@ -385,7 +172,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         pred = job.predict_step(batches[0])
         row["pred_step_s"] = pred["step_s"]
         # what the cost model chose for the step's program: in-flight cap (and the caps it weighed), buckets
-        prog = job._compiled(batches[0], "step")[0]
+        prog = job.compiled(batches[0]).program
         if prog.schedule:
             row["schedule"] = {"max_in_flight_mb": prog.schedule["max_in_flight"] / 2**20,
                                "carved_products": prog.carved, "carve_choice": prog.carve_choice,
@@ -402,11 +189,11 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         mem = job.predict_memory(batches[0])
         row["pred_peak_mem_gb"] = mem["peak"] / 1e9
         if cfg.memory_sites:  # the prediction's parts and its live set at the graph's peak, beside the sites
-            live = job._liveness(job._compiled(batches[0], "step")[0])
+            live = job.plan.liveness(job.compiled(batches[0]).program)
             row["pred_memory"] = {k: (v / 1e9 if isinstance(v, int) else v) for k, v in mem.items()}
             row["pred_memory"]["at_peak"] = [[name, round(b / 1e9, 5)] for name, b in live.at_peak[:400]]
         job.time_optimizer = False
-    _sync(device)
+    sync(device)
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -416,15 +203,15 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     for i in range(cfg.steps):
         loss = step(batches[cfg.warmup + i])
     float(loss)
-    _sync(device)
+    sync(device)
     # every rank's mean; the job runs at the pace of the slowest rank
     mean = torch.tensor([(time.perf_counter() - t0) / cfg.steps], dtype=torch.float64)
     dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=ctrl)
     row["step_s"] = float(mean)
     row["tokens_per_s_per_gpu"] = cfg.batch * seq / row["step_s"]
-    peak_flops = _peak_flops(device)
-    if peak_flops:
-        row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / peak_flops
+    peak = peak_flops(device)
+    if peak:
+        row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / peak
     row["ranks"] = ws
     if system.startswith("shardwise") and job.state.streamer is not None:
         st = job.state.streamer
@@ -465,7 +252,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     return row
 
 
-def _recompile_reasons(seen: dict) -> list[str]:
+def recompile_reasons(seen: dict) -> list[str]:
     """Reasons dynamo has recorded for guard failures (recompilations) that ``seen`` lacks; adds them."""
     try:
         from torch._dynamo.utils import guard_failures
@@ -483,7 +270,7 @@ def _recompile_reasons(seen: dict) -> list[str]:
 
 def _memory_sites(fn, device) -> dict:
     """One step under the allocator's recorder: its peak and the blocks live then, by site (GB)."""
-    from .runtime.memory import live_at_peak
+    from ..runtime.memory import live_at_peak
 
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_stats(device).get("requested_bytes.all.current", 0)
@@ -505,11 +292,14 @@ def _memory_sites(fn, device) -> dict:
             "sites": [[site, round(b / 1e9, 4), n] for site, b, n in live["sites"]]}
 
 
-def _peak_flops(device) -> float | None:
+def peak_flops(device) -> float | None:
+    """The device's datasheet dense bf16 FLOP/s (costmodel/devices.py), which MFU is quoted against."""
     if device.type != "cuda":
         return None
+    from ..costmodel.devices import DEVICES
+
     name = torch.cuda.get_device_name(device).lower()
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return next((d.peak_flops for d in DEVICES.values() if any(m in name for m in d.match)), None)
 
 
 def _versions() -> dict:
@@ -544,7 +334,7 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
     """Run every system of ``cfg`` on this job's ranks; rank 0 writes ``<out_dir>/<name>.json`` and
     ``.png`` and returns the record (other ranks return None). ``append``: add the rows to an
     existing record of that name (one sitting split over several commands; the configs must match)."""
-    device = _device()
+    device = bench_device()
     rank, ws = dist.get_rank(), dist.get_world_size()
     ctrl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     if cfg.memory_fraction is not None:
@@ -603,7 +393,7 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
         dist.barrier()
     if rank != 0:
         return None
-    if _over_ceiling(rec["results"]):
+    if over_ceiling(rec["results"]):
         _write_atomic(path, rec)
     try:
         plot(rec, os.path.join(out_dir, name + ".png"))
@@ -636,7 +426,7 @@ def _append_to(path: str, rec: dict) -> str:
     return ""
 
 
-def _over_ceiling(rows: list[dict]) -> bool:
+def over_ceiling(rows: list[dict]) -> bool:
     """Where the record holds the ``compile`` row (the same model compiled on each rank alone, no
     communication), give every other row ``over_ceiling_pct``: the share of its step above that
     ceiling — exposed communication plus whatever else the system adds — measured without the
@@ -667,50 +457,3 @@ def _fmt_row(r: dict) -> str:
     return (f"{r['system']:16s} step {f('step_s', '.4f')} s  tok/s/gpu {f('tokens_per_s_per_gpu', ',.0f')}  "
             f"mfu {f('mfu', '.3f')}  peak {f('peak_mem_gb', '.3f')} GB  exposed comm {f('exposed_comm_pct', '.1f')}%  "
             f"pred step {f('pred_step_s', '.4f')} s  pred peak {f('pred_peak_mem_gb', '.3f')} GB  ({r['wall_s']} s)")
-
-
-def _settings(env: dict, common: frozenset = frozenset()) -> list[str]:
-    """The communication settings of ``env`` worth naming on a plot: not the ones every run sets
-    alike (NVLS off, debug, the library's version), nor those in ``common``."""
-    return [f"{k.removeprefix('TORCH_')}={v}" for k, v in env.items()
-            if k not in ("NCCL_NVLS_ENABLE", "NCCL_DEBUG", "NCCL_VERSION") and (k, v) not in common]
-
-
-def _label(r: dict, common: frozenset = frozenset()) -> str:
-    """A row's system, with the communication settings it ran under where they differ from the
-    record's other rows (``common``: the (name, value) pairs every row shares)."""
-    extra = _settings(r.get("env") or {}, common)
-    return r["system"] + ("\n" + " ".join(extra) if extra else "")
-
-
-def plot(rec: dict, path: str) -> str:
-    """Bar plot of tokens/s per GPU per system, step time and peak memory written on the bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rec["results"] if r.get("tokens_per_s_per_gpu")]
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(ok) + 2), 4))
-    xs = range(len(ok))
-    ax.bar(xs, [r["tokens_per_s_per_gpu"] for r in ok], color=["tab:blue" if r["system"].startswith("shardwise")
-                                                              else "tab:gray" for r in ok])
-    for x, r in zip(xs, ok):
-        pk = r.get("peak_mem_gb")
-        mem = "" if pk is None else (f"\n{pk:.2f} GB" if pk >= 1 else f"\n{pk * 1e3:.1f} MB")
-        ax.text(x, r["tokens_per_s_per_gpu"], f"{r['step_s'] * 1e3:.0f} ms{mem}", ha="center", va="bottom", fontsize=7)
-    # settings every row shares go in the title (with one row: under its bar)
-    common = (frozenset.intersection(*(frozenset((r.get("env") or {}).items()) for r in ok))
-              if len(ok) > 1 else frozenset())
-    ax.set_xticks(list(xs), [_label(r, common) for r in ok], rotation=20, fontsize=8)
-    ax.set_ylim(0, 1.25 * max((r["tokens_per_s_per_gpu"] for r in ok), default=1))
-    ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
-    c = rec["config"]
-    shared = " ".join(_settings(dict(common)))
-    ax.set_title(f"{c['model']}/{c['size']} batch {c['batch']}x{c['seq'] or 'default'} {c['precision']} "
-                 f"ckpt={c['checkpoint']} ranks={c['ranks']}\n{rec['machine']}"
-                 + (f"; every row: {shared}" if shared else ""), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

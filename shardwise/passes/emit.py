@@ -1,10 +1,9 @@
 """Emit functional collectives and small reshapes into an FX graph.
 
-Every collective is a ``_c10d_functional`` op followed by its ``wait_tensor``; the node carries
-``meta["sw"]``: a dict with ``kind`` (all_gather / reduce_scatter / all_reduce), ``bytes`` (the
-payload each rank sends under a ring algorithm), ``full_bytes`` (the whole tensor's), ``param``
-(for per-parameter collectives) and ``phase`` (fwd / bwd / step). Tests and ``explain`` read the
-graph back through it.
+Every collective is a ``_c10d_functional`` op followed by its ``wait_tensor``; the start node carries
+a ``Collective`` (sharding/collective.py): its kind, the bytes of the whole tensor and what one rank
+sends, the ranks and mesh axis of its group, its phase and parameters. The cost model, the scheduler,
+``explain`` and the tests read the graph back through it.
 """
 
 from __future__ import annotations
@@ -16,10 +15,13 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
+from ..costmodel.collectives import sent_bytes
 from ..sharding import ShardLayout
+from ..sharding.collective import Collective, collective_of, mark
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+WAIT = c10d.wait_tensor.default
 
 COLLECTIVE_TARGETS = {
     c10d.all_gather_into_tensor.default: "all_gather",
@@ -28,20 +30,12 @@ COLLECTIVE_TARGETS = {
 }
 
 
-def ring_bytes(kind: str, full_bytes: int, ws: int) -> int:
-    """Bytes one rank sends for a collective over a ``full_bytes`` tensor with a ring algorithm."""
-    if ws <= 1:
-        return 0
-    if kind == "all_reduce":
-        return 2 * (ws - 1) * full_bytes // ws
-    return (ws - 1) * full_bytes // ws
-
-
 def val(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
 
 
-def _fn(g: fx.Graph, target, args, like: torch.Tensor | None = None, **kwargs) -> fx.Node:
+def node(g: fx.Graph, target, args, like: torch.Tensor | None = None, **kwargs) -> fx.Node:
+    """A call of ``target`` appended where ``g`` inserts, its ``meta["val"]`` set to ``like``."""
     n = g.call_function(target, tuple(args), kwargs)
     if like is not None:
         n.meta["val"] = like
@@ -62,25 +56,11 @@ def fake(shape, dtype, device) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-
-
-def eager_safe(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` to run op by op in eager mode, with each ``view`` made a ``reshape``.
-
-    Tracing records a ``view`` wherever the traced (fake) strides allow one, but eager kernels may
-    lay an elementwise result out otherwise (a product of an expanded gradient and a transposed
-    tensor, in the MoE dispatch's backward), and the view then fails. ``reshape`` is that same view
-    where one exists and a copy where none does; inductor, which plans its own layouts, runs ``gm``
-    itself."""
-    if not any(n.target is aten.view.default for n in gm.graph.nodes):
-        return gm
-    g = fx.Graph()
-    g._codegen = gm.graph._codegen  # the same calling convention
-    g.output(g.graph_copy(gm.graph, {}))
-    for n in g.nodes:
-        if n.target is aten.view.default:
-            n.target = aten.reshape.default
-    return fx.GraphModule(gm, g)
+def collective(kind: str, full_bytes: int, ranks: int, phase: str, params=(), axis: str = "dp") -> Collective:
+    """The ``Collective`` of one start node (ring bytes from the cost model's bus factor)."""
+    if isinstance(params, str):
+        params = (params,)
+    return Collective(kind, full_bytes, sent_bytes(kind, full_bytes, ranks), ranks, axis, phase, tuple(params or ()))
 
 
 def restore_topological_order(g: fx.Graph) -> bool:
@@ -116,14 +96,14 @@ def cast(g: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
     if dtype is None or val(x).dtype == dtype:
         return x
     v = val(x)
-    return _fn(g, aten._to_copy.default, (x,), fake(v.shape, dtype, v.device), dtype=dtype)
+    return node(g, aten._to_copy.default, (x,), fake(v.shape, dtype, v.device), dtype=dtype)
 
 
 def contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
     v = val(x)
     if v.is_contiguous():
         return x
-    return _fn(g, aten.clone.default, (x,), fake(v.shape, v.dtype, v.device), memory_format=torch.contiguous_format)
+    return node(g, aten.clone.default, (x,), fake(v.shape, v.dtype, v.device), memory_format=torch.contiguous_format)
 
 
 def reshape(g: fx.Graph, x: fx.Node, shape: Iterable[int]) -> fx.Node:
@@ -131,21 +111,21 @@ def reshape(g: fx.Graph, x: fx.Node, shape: Iterable[int]) -> fx.Node:
     v = val(x)
     if list(v.shape) == shape:
         return x
-    return _fn(g, aten.view.default, (contiguous(g, x), shape), fake(shape, v.dtype, v.device))
+    return node(g, aten.view.default, (contiguous(g, x), shape), fake(shape, v.dtype, v.device))
 
 
-def _collective(g, target, args, out_shape, dtype, device, sw: dict, stage: str | None = None) -> fx.Node:
+def start_and_wait(g, target, args, out_shape, dtype, device, c: Collective, stage: str | None = None) -> fx.Node:
     """Start + wait. With ``stage`` (e.g. "cpu") the payload is copied there and back around the
     collective: gloo ranks sharing one GPU need host tensors for all-gather and reduce-scatter."""
     if stage is not None and torch.device(stage) != torch.device(device):
         x = args[0]
         v = val(x)
-        host = _fn(g, aten._to_copy.default, (x,), fake(v.shape, v.dtype, stage), device=torch.device(stage))
-        out = _collective(g, target, (host, *args[1:]), out_shape, dtype, stage, sw)
-        return _fn(g, aten._to_copy.default, (out,), fake(out_shape, dtype, device), device=device)
-    start = _fn(g, target, args, fake(out_shape, dtype, device))
-    start.meta["sw"] = sw
-    return _fn(g, c10d.wait_tensor.default, (start,), fake(out_shape, dtype, device))
+        host = node(g, aten._to_copy.default, (x,), fake(v.shape, v.dtype, stage), device=torch.device(stage))
+        out = start_and_wait(g, target, (host, *args[1:]), out_shape, dtype, stage, c)
+        return node(g, aten._to_copy.default, (out,), fake(out_shape, dtype, device), device=device)
+    start = node(g, target, args, fake(out_shape, dtype, device))
+    mark(start, c)
+    return node(g, WAIT, (start,), fake(out_shape, dtype, device))
 
 
 def all_gather(
@@ -154,18 +134,17 @@ def all_gather(
 ) -> fx.Node:
     """Full parameter (``layout.shape``) from this rank's padded ``Shard(0)`` piece."""
     v = val(shard)
-    if layout.ws == 1:
+    if layout.ranks == 1:
         return reshape(g, shard, layout.shape)
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
-    sw = dict(kind="all_gather", bytes=ring_bytes("all_gather", nbytes, layout.ws), full_bytes=nbytes, param=param,
-              phase=phase)
-    out = _collective(
-        g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ws, group), layout.padded_shape,
-        v.dtype, v.device, sw, stage,
+    c = collective("all_gather", nbytes, layout.ranks, phase, (param,) if param else ())
+    out = start_and_wait(
+        g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ranks, group), layout.padded_shape,
+        v.dtype, v.device, c, stage,
     )
     if layout.pad_rows:
         rows = layout.shape2[0]
-        out = _fn(g, aten.slice.Tensor, (out, 0, 0, rows), fake((rows, *layout.shape2[1:]), v.dtype, v.device))
+        out = node(g, aten.slice.Tensor, (out, 0, 0, rows), fake((rows, *layout.shape2[1:]), v.dtype, v.device))
     return reshape(g, out, layout.shape)
 
 
@@ -176,46 +155,44 @@ def reduce_scatter(
     """This rank's ``Shard(0)`` piece of the ``op``-reduction of ``full`` over the group."""
     v = val(full)
     x = reshape(g, full, layout.shape2)
-    if layout.ws == 1:
+    if layout.ranks == 1:
         return x
     if layout.pad_rows:
         pad = [0, 0] * (len(layout.shape2) - 1) + [0, layout.pad_rows]
-        x = _fn(g, aten.constant_pad_nd.default, (x, pad, 0.0), fake(layout.padded_shape, v.dtype, v.device))
+        x = node(g, aten.constant_pad_nd.default, (x, pad, 0.0), fake(layout.padded_shape, v.dtype, v.device))
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
-    sw = dict(kind="reduce_scatter", bytes=ring_bytes("reduce_scatter", nbytes, layout.ws), full_bytes=nbytes,
-              param=param, phase="bwd")
-    return _collective(
-        g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ws, group), layout.local_shape,
-        v.dtype, v.device, sw, stage,
+    c = collective("reduce_scatter", nbytes, layout.ranks, "bwd", (param,) if param else ())
+    return start_and_wait(
+        g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ranks, group), layout.local_shape,
+        v.dtype, v.device, c, stage,
     )
 
 
 def all_reduce_many(
-    g: fx.Graph, xs: list[fx.Node], ws: int, group: str, *, op: str = "avg", phase: str = "bwd", params=None,
+    g: fx.Graph, xs: list[fx.Node], ranks: int, group: str, *, op: str = "avg", phase: str = "bwd", params=(),
     stage: str | None = None,
 ) -> list[fx.Node]:
     """All-reduce several same-dtype tensors as one flat bucket; returns the reduced tensors."""
-    if ws == 1:
+    if ranks == 1:
         return list(xs)
     vs = [val(x) for x in xs]
     dtype, device = vs[0].dtype, vs[0].device
     sizes = [v.numel() for v in vs]
     flats = [reshape(g, x, [n]) for x, n in zip(xs, sizes)]
     total = sum(sizes)
-    flat = flats[0] if len(flats) == 1 else _fn(g, aten.cat.default, (flats,), fake([total], dtype, device))
-    sw = dict(kind="all_reduce", bytes=ring_bytes("all_reduce", total * dtype.itemsize, ws),
-              full_bytes=total * dtype.itemsize, param=params, phase=phase)
-    red = _collective(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, sw, stage)
+    flat = flats[0] if len(flats) == 1 else node(g, aten.cat.default, (flats,), fake([total], dtype, device))
+    c = collective("all_reduce", total * dtype.itemsize, ranks, phase, params)
+    red = start_and_wait(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, c, stage)
     if len(xs) == 1:
         return [reshape(g, red, vs[0].shape)]
-    parts = _fn(g, aten.split_with_sizes.default, (red, sizes))
+    parts = node(g, aten.split_with_sizes.default, (red, sizes))
     outs = []
     for i, (v, n) in enumerate(zip(vs, sizes)):
-        piece = _fn(g, operator.getitem, (parts, i), fake([n], dtype, device))
+        piece = node(g, operator.getitem, (parts, i), fake([n], dtype, device))
         outs.append(reshape(g, piece, v.shape))
     return outs
 
 
 def collectives(gm: fx.GraphModule) -> list[fx.Node]:
     """The collective-start nodes of a graph, in graph order."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_TARGETS]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and collective_of(n) is not None]

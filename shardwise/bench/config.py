@@ -1,0 +1,113 @@
+"""``shardwise bench``'s configuration: the systems it runs, the options each takes, the run's settings."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+SYSTEMS = ("shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2", "fsdp2-compile", "fsdp2-offload", "deepspeed",
+           "deepcompile")
+
+@dataclass
+class BenchConfig:
+    model: str = "gpt"
+    """Built-in model (gpt, llama, moe)."""
+    size: str = "small"
+    """Model preset (tiny, small, 124m, 1b, 3b, 8b)."""
+    batch: int = 8
+    """Sequences per rank per step."""
+    seq: int | None = None
+    """Sequence length; None: the model's."""
+    precision: str = "fp32"
+    """fp32, or bf16 (bf16 compute, fp32 master weights, optimizer and reduction) for every system."""
+    checkpoint: bool = False
+    """Activation checkpointing per block, for every system."""
+    strategy: str = "zero3"
+    """shardwise's strategy."""
+    executor: str = "auto"
+    """shardwise's executor: fx, inductor, or auto (inductor on CUDA, fx on CPU)."""
+    steps: int = 5
+    """Timed steps per system."""
+    warmup: int = 2
+    """Untimed steps first (compilation happens here)."""
+    lr: float = 1e-4
+    seed: int = 0
+    systems: list[str] = field(default_factory=lambda: ["shardwise", "shardwise-noopt", "compile", "ddp", "fsdp2"])
+    memory_fraction: float | None = None
+    """CUDA: cap every system at this fraction of device memory (``set_per_process_memory_fraction``)."""
+    link_profile: str | None = None
+    """shardwise's link profile: a preset name or a JSON file from ``shardwise calibrate``; None: the preset
+    for the backend."""
+    trace_dir: str | None = None
+    """Write rank 0's chrome trace of the profiled step of each system here (``<system>.json.gz``)."""
+    memory_sites: bool = False
+    """CUDA: record the allocator over one more step and add to each row the blocks live at its peak,
+    grouped by where they were allocated (``memory_at_peak``)."""
+    system_timeout: float | None = None
+    """Stop a system whose warm-up is still running this many seconds after it began (checked after
+    each warm-up step, agreed by every rank): its row gets the error, the next system runs."""
+
+    def __post_init__(self):
+        bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
+        if bad:
+            raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
+        for s in self.systems:
+            options(s)
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
+        if self.executor not in ("auto", "fx", "inductor"):
+            raise ValueError(f"bench: executor must be auto, fx or inductor, got {self.executor!r}")
+        if self.system_timeout is not None and self.system_timeout < 0:
+            raise ValueError(f"bench: --system-timeout is seconds a system's warm-up may run, >= 0; "
+                             f"got {self.system_timeout}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"bench: --memory-fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.link_profile is not None:
+            from ..costmodel import PRESETS
+
+            if self.link_profile not in PRESETS and not os.path.isfile(self.link_profile):
+                raise ValueError(f"bench: --link-profile {self.link_profile!r} is neither a preset "
+                                 f"({', '.join(PRESETS)}) nor a file: run `shardwise calibrate --out FILE` first")
+        if self.steps < 1 or self.warmup < 1:
+            raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
+
+
+SHARDWISE_OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb", float),
+            "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str),
+            "offload": ("offload_optimizer", lambda v: "all" if v == "all" else bool(int(v))),
+            "chunk_mb": ("offload_chunk_mb", float), "overlap": ("offload_overlap", lambda v: bool(int(v))),
+            "host": ("offload_host_update", lambda v: v if v == "auto" else (float(v) or False)),
+            "recompute": ("recompute", lambda v: bool(int(v))),
+            "act": ("offload_activations", lambda v: bool(int(v))),
+            "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30)),
+            "fused": ("fused_optimizer", lambda v: bool(int(v))),
+            "overlap_update": ("overlap_update", lambda v: bool(int(v))),
+            "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else None if v == "off" else (int(v) or None))}
+
+# options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
+_PEERSHARDWISE_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
+
+
+# options of the deepspeed systems: ``deepspeed:offload=1+ratio=0.7``, ``deepcompile:offload=1``
+_DSSHARDWISE_OPTIONS = {"offload": ("ds_offload", lambda v: bool(int(v))), "ratio": ("ds_ratio", float)}
+
+
+def options(system: str) -> dict:
+    if ":" not in system:
+        return {}
+    table = (SHARDWISE_OPTIONS if system.startswith("shardwise") else
+             _DSSHARDWISE_OPTIONS if system.startswith(("deepspeed", "deepcompile")) else _PEERSHARDWISE_OPTIONS)
+    out = {}
+    for item in system.split(":", 1)[1].split("+"):
+        k, _, v = item.partition("=")
+        if k not in table or not v:
+            raise ValueError(f"bench: bad option {item!r} in {system!r}: use k=v with k in {', '.join(table)}")
+        name, kind = table[k]
+        try:
+            out[name] = kind(v)
+        except ValueError:
+            takes = {"host": "a number or auto", "carveout": "a number, auto or off"}.get(k, "a number")
+            raise ValueError(f"bench: bad value in {item!r} of {system!r}: {k} takes {takes}") from None
+    if system.startswith("deepcompile") and "ds_ratio" in out:
+        raise ValueError(f"bench: {system!r}: ratio is a ZeRO-3 offload setting; deepcompile takes offload=1 only")
+    return out

@@ -1,0 +1,94 @@
+"""The one device table: datasheet peaks, the rates measured on our machines, the planner's fitted shares.
+
+Two views of one device read from it. The compiler's roofline times each node at ``flops`` (the
+matrix-product rate: measured where we have the device) and ``bandwidth`` (the measured copy rate).
+The planner times a whole step at the datasheet ``peak_flops`` times its fitted share
+(``efficiency``), the memory-bound kernels at ``mem_eff`` of ``hbm_bw``; MFU is quoted against
+``peak_flops``, as the literature does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hostlink import HostLink
+
+HOPPER_EFF_MAX = 0.546
+"""H100/H200: the matrix products' share of peak in a whole step, fitted on one run only: plain
+torch.compile of the 1.1B Llama shape on one H200, batch 4x2048, bf16, 0.1257 s/step
+(bench/results/2026-11-29-h200-llama1b-ws1.json). With the A100's share that run was predicted 18%
+fast. Every other Hopper row of the planner's validation is blind."""
+
+# PCIe 5.0 x16 as measured from one H200 (costmodel.hostlink.measure, 512 MiB pinned copies,
+# 2026-11-29): 54.8 GB/s in, 54.3 GB/s out, 88.2 GB/s both at once
+PCIE5 = HostLink(54.8e9, 54.3e9, 88.2e9, "H200 PCIe 5.0 x16, measured 2026-11-29")
+# the CPU "host tier" is a second buffer pool in the same memory: a copy each way (rough)
+CPU_POOL = HostLink(10e9, 10e9, 10e9, "CPU memcpy (rough default)")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or the CPU), as both the roofline and the planner see it."""
+
+    name: str
+    flops: float
+    """FLOP/s of dense matrix products at the compute dtype: the roofline's compute ceiling."""
+    bandwidth: float
+    """Bytes/s of device memory the roofline charges memory-bound nodes at (a measured copy)."""
+    peak_flops: float | None = None
+    """Dense bf16 FLOP/s from the datasheet (MFU is quoted against it); None for the CPU."""
+    hbm_bytes: float | None = None
+    """Device memory, bytes."""
+    hbm_bw: float | None = None
+    """Datasheet memory bandwidth, bytes/s."""
+    eff_max: float = 0.683
+    """The matrix products' achieved share of ``peak_flops`` in a whole step (the planner's), as
+    ``eff_max · x / (x + eff_x0)`` with ``x`` = hidden size / tensor-parallel size. The A100's is
+    fitted on two runs of Korthikanti et al. 2022 (the 22B and 175B models with selective
+    recomputation, Table 5); with the memory-bound kernels counted on their own (``mem_eff``) the fit
+    wants no dependence on the width (``eff_x0`` = 0). H100 and H200 have theirs fitted on one run of
+    ours (``HOPPER_EFF_MAX``), TPU v5p and v5e on one of MaxText's each; the other TPUs use the
+    A100's until runs of theirs are fitted."""
+    eff_x0: float = 0.0
+    mem_eff: float = 0.8
+    """Share of ``hbm_bw`` the memory-bound kernels reach in the planner (an assumption, not fitted)."""
+    host: HostLink | None = None
+    """The link to host memory, where measured (optimizer and activation offload)."""
+    label: str = ""
+    """The name the planner prints (e.g. "H200 SXM")."""
+    match: tuple[str, ...] = ()
+    """Substrings of ``torch.cuda.get_device_name`` (lower case) that mean this device."""
+
+    def efficiency(self, width: float) -> float:
+        return self.eff_max * width / (width + self.eff_x0)
+
+
+def _datasheet(name, label, peak, hbm_bytes, hbm_bw, eff_max=0.683, **kw) -> Device:
+    """A device known from its datasheet alone: the roofline uses the planner's achieved rates."""
+    return Device(name, peak * eff_max, hbm_bw * 0.8, peak, hbm_bytes, hbm_bw, eff_max=eff_max, label=label, **kw)
+
+
+DEVICES = {
+    # measured on this workplace's H200s (DESIGN.md reference figures): 790 TFLOP/s bf16 GEMM, 4.3 TB/s copy
+    "h200": Device("h200", 790e12, 4.3e12, 989e12, 141e9, 4.8e12, eff_max=HOPPER_EFF_MAX, host=PCIE5,
+                   label="H200 SXM", match=("h200",)),
+    # about 0.7 of the datasheet's 989 TFLOP/s, 3.35 TB/s
+    "h100": Device("h100", 700e12, 3.0e12, 989e12, 80e9, 3.35e12, eff_max=HOPPER_EFF_MAX, label="H100 SXM",
+                   match=("h100",)),
+    "h100-pcie": _datasheet("h100-pcie", "H100 PCIe", 756e12, 80e9, 2.0e12, eff_max=HOPPER_EFF_MAX),
+    "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",)),
+    # TPUs (Cloud TPU documentation, jax-ml/scaling-book). v5p's share is fitted on one run: MaxText's 32B
+    # model on v5p-128; v5e's on its 16B model on one v5e-256 with full remat, planned as per-layer
+    # (block) recomputation (planner/validation.py); v4 and v6e use the A100's
+    "tpu-v4": _datasheet("tpu-v4", "TPU v4", 275e12, 32e9, 1.2e12),
+    "tpu-v5p": _datasheet("tpu-v5p", "TPU v5p", 459e12, 95e9, 2.76e12, eff_max=0.753),
+    "tpu-v5e": _datasheet("tpu-v5e", "TPU v5e", 197e12, 16e9, 0.82e12, eff_max=0.824),
+    "tpu-v6e": _datasheet("tpu-v6e", "TPU v6e", 918e12, 32e9, 1.64e12),
+    "cpu": Device("cpu", 50e9, 10e9, host=CPU_POOL, label="CPU"),
+}
+
+
+def cuda_device(name: str) -> Device:
+    """The table's entry for a CUDA device name (``torch.cuda.get_device_name``); the H200 if none matches."""
+    low = name.lower()
+    return next((d for d in DEVICES.values() if any(m in low for m in d.match)), DEVICES["h200"])

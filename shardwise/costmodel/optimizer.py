@@ -1,0 +1,77 @@
+"""The optimizer step as the cost model sees it: its state's bytes, its temporaries, its time.
+
+The compiler's prediction and the planner's both time the update as memory-bound passes over the
+fp32 master bytes (``update_time``): a fused Adam reads parameter, gradient and two moments and
+writes three (7 passes of the master's bytes, 28 bytes a parameter); torch's multi-tensor and loop
+Adam make about 20 (decay, lerp, two for v, sqrt, div, add, addcdiv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PASSES = {"fused": 7, "unfused-adam": 20}
+"""Passes over the master bytes one update makes."""
+
+
+def optimizer_kernel(defaults: dict, device: str) -> str:
+    """The kernel a torch optimizer's step runs, from its ``defaults``: ``fused``, ``foreach`` (the
+    multi-tensor path, torch's default on CUDA) or ``for-loop`` (the default elsewhere)."""
+    if defaults.get("fused"):
+        return "fused"
+    foreach = defaults.get("foreach")
+    return "foreach" if foreach or (foreach is None and device == "cuda") else "for-loop"
+
+
+def update_time(master_bytes: float, bandwidth: float, adam: bool = True, kernel: str = "fused") -> float:
+    """Seconds of one update over ``master_bytes`` of master weights at ``bandwidth`` bytes/s."""
+    passes = PASSES["unfused-adam"] if adam and kernel != "fused" else PASSES["fused"]
+    return passes * master_bytes / bandwidth
+
+
+def optimizer_transient(opt: torch.optim.Optimizer) -> int:
+    """Bytes the optimizer's step allocates for itself on top of its state (a model, not a measure).
+
+    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — holds one whole-list
+    temporary at a time: the bias-corrected ``sqrt(v)``. Every other update is in place, and the
+    gradient copy that L2 decay or ``maximize`` makes is dropped before that list is built
+    (torch/optim/adam.py, ``_multi_tensor_adam``). On an H200 (1.1B Llama, one rank) the measured
+    peak ruled out a second list. The single-tensor loop — the CPU default — holds two temporaries
+    of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam.
+    """
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    if not ps:
+        return 0
+    return step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults, ps[0].device.type)
+
+
+def step_temporaries(per: list[int], defaults: dict, device: str) -> int:
+    """``optimizer_transient`` of an optimizer over tensors of ``per`` bytes, by its ``defaults``."""
+    kernel = optimizer_kernel(defaults, device)
+    if kernel == "fused":
+        return 0
+    if kernel == "foreach":
+        return sum(per)
+    # the loop: sqrt(v) and its bias-corrected copy of one parameter, while the previous parameter's
+    # denominator is still held by its loop variable
+    return max(2 * n + (per[i - 1] if i else 0) for i, n in enumerate(per))
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state once it exists: measured where it does, else from the optimizer's kind."""
+    have = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+    if have:
+        return have
+    # tensors of the parameter's size per parameter, and whether a scalar ``step`` tensor is kept too
+    kinds = {torch.optim.Adam: (2, True), torch.optim.AdamW: (2, True), torch.optim.Adamax: (2, True),
+             torch.optim.NAdam: (2, True), torch.optim.RAdam: (2, True), torch.optim.Adagrad: (1, True),
+             torch.optim.RMSprop: (1, True), torch.optim.Adadelta: (2, True)}
+    k, step = 0, False
+    for c, (m, s) in kinds.items():
+        if isinstance(opt, c):
+            k, step = m, s
+    if isinstance(opt, torch.optim.SGD) and opt.defaults.get("momentum"):
+        k = 1
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    return sum(k * p.numel() * p.element_size() + (4 if step else 0) for p in ps)

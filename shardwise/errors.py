@@ -1,0 +1,34 @@
+"""Every error shardwise raises for something a user did or can change, each naming the rule and the values.
+
+They subclass the built-in type a caller would catch anyway (``ValueError`` for bad input,
+``RuntimeError`` for a step that cannot go on), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class ShardwiseError(Exception):
+    """Base of shardwise's own errors."""
+
+
+class CaptureError(ShardwiseError, RuntimeError):
+    """The training step could not be traced into one graph (the construct and where it is named)."""
+
+
+class BudgetError(ShardwiseError, ValueError):
+    """The step does not fit the memory budget even with every parameter sharded (the numbers named)."""
+
+
+class MeshError(ShardwiseError, ValueError):
+    """A mesh that does not cover the job's ranks, or an axis this version does not run yet."""
+
+
+class BatchMismatchError(ShardwiseError, ValueError):
+    """Ranks passed batches of different structure, shapes or dtypes in one step."""
+
+
+class PlanMismatchError(ShardwiseError, RuntimeError):
+    """Ranks compiled different graphs or plans (or one failed to compile): every rank stops."""
+
+
+__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "MeshError", "PlanMismatchError", "ShardwiseError"]

@@ -1,0 +1,121 @@
+"""``explain``: a job's plan as text (placements, each collective with its bytes and predicted time, the
+memory plan, predicted step and peak); costmodel/plot.py draws the predicted timeline."""
+
+from __future__ import annotations
+
+from .passes.actoffload import candidates
+from .runtime.state import optimizer_kind
+from .sharding.collective import collective_of
+
+
+def choices(rows) -> str:
+    """A cost-model choice's rows (size, predicted s, predicted peak, chosen) as ``explain`` prints them."""
+    return "; ".join(f"{'*' if c else ''}{b / 2**20:.2f} MiB -> {t * 1e3:.2f} ms, peak {pk / 2**20:.1f} MiB"
+                     for b, t, pk, c in rows)
+
+
+def explain(job) -> str:
+    """The plan of ``job`` (a ``shardwise.Job``): strategy, mesh, placements, and per compiled program its
+    collectives with bytes, predicted time and exposure, and the predicted step (two-lane simulation of
+    the schedule)."""
+    lp, dev = job.cost.link, job.cost.device
+    lines = [f"strategy={job.strategy} {job.mesh} precision={job.config.mixed_precision}", f"link profile: {lp}",
+             f"compute: roofline on {dev.name} ({dev.flops / 1e12:.1f} TFLOP/s, {dev.bandwidth / 1e9:.0f} GB/s)",
+             f"optimizer: {optimizer_kind(job.optimizer)}"]
+    for (sig, mode), (prog, _) in job.compiler.programs.items():
+        c = prog.counts()
+        measured = job.node_times.get((sig, mode))
+        tl, src = job.cost.simulate(prog.gm, measured), "roofline" if measured is None else "measured"
+        lines.append(
+            f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
+            f"reduce_scatter={c['reduce_scatter']} all_reduce={c['all_reduce']}; {prog.comm_bytes() / 2**20:.2f} MiB "
+            f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
+            f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
+        )
+        if mode != "eval":
+            saved = candidates(prog.gm)
+            big = ", ".join(f"{n.name} {tuple(n.meta['val'].shape)} {b / 2**20:.2f}" for n, b in saved[:6])
+            lines.append(f"  activations saved for the backward: {len(saved)}, "
+                         f"{sum(b for _, b in saved) / 2**20:.2f} MiB (views counted with their source); "
+                         f"largest (MiB): {big}")
+        if prog.recomputed:
+            lines.append(f"  recomputed in backward ({len(prog.recomputed)}): {', '.join(prog.recomputed)[:300]}")
+        if prog.carve_choice:
+            plain, carved, keep = prog.carve_choice
+            lines.append(f"  SM carveout (auto, cost model with SM contention): step {plain * 1e3:.2f} ms uncarved, "
+                         f"{carved * 1e3:.2f} ms carved: " + ("carved" if keep else "not carved"))
+        if prog.carved:
+            c = job.ctx.sm_carveout
+            lines.append(f"  matrix products beside a collective, leaving {c.sms} SMs free to it: {prog.carved} "
+                         + (f"(a share of {c.share:.0%} of the SMs)" if c.total else "(inert off CUDA)"))
+        if prog.offloaded:
+            lines.append(f"  activations kept in host memory, fetched back early in the backward "
+                         f"({len(prog.offloaded)}): {', '.join(prog.offloaded)[:300]}")
+        if prog.unsharded is not None:
+            lines.append(f"  memory budget {job.memory_budget / 2**20:.1f} MiB: kept gathered forward to backward "
+                         f"({len(prog.unsharded)}): {', '.join(prog.unsharded)[:300]}")
+        if prog.hashes:
+            lines.append(f"  hashes (agreed by every rank): capture {prog.hashes['capture']} plan {prog.hashes['plan']}")
+        if prog.bucket_choice:
+            lines.append("  buckets (auto, cost model): " + choices(prog.bucket_choice))
+        if prog.schedule:
+            ops = prog.schedule.get("max_ops")
+            lines.append(f"  schedule: cap {prog.schedule['max_in_flight'] / 2**20:.2f} MiB in flight"
+                         + (f", {ops} collective(s) at a time" if ops else ""))
+            if prog.schedule.get("cap_choice"):
+                lines.append("  in-flight caps (cost model): " + choices(prog.schedule["cap_choice"]))
+        if mode == "step":
+            opt = job.predicted_update_s()
+            step = job.cost.step_time(prog.gm, tl, opt, job.update_overlap())
+            if job.update_overlap() is None:
+                lines.append(f"  predicted step {step * 1e3:.2f} ms = graph + optimizer {opt * 1e3:.2f} ms")
+            else:
+                lines.append(f"  predicted step {step * 1e3:.2f} ms = graph {tl.step_s * 1e3:.2f} ms, its forward "
+                             f"beside the previous step's update ({opt * 1e3:.2f} ms)")
+
+            live = job.plan.liveness(prog)
+            res = job.resident_bytes()
+            lines.append(f"  memory: resident {sum(res.values()) / 2**20:.2f} MiB ("
+                         + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in res.items())
+                         + f"), graph peak +{live.peak / 2**20:.2f} MiB at {live.peak_at}")
+            if live.at_peak:
+                top = live.at_peak[:6]
+                rest = live.peak - sum(b for _, b in top)
+                lines.append("    live then (MiB): " + ", ".join(f"{n} {b / 2**20:.2f}" for n, b in top)
+                             + (f", {len(live.at_peak) - len(top)} more {rest / 2**20:.2f}"
+                                if len(live.at_peak) > len(top) else ""))
+            st = job.state.streamer
+            if st is not None:
+                hl = job.cost.host
+                up, down = st.transfer_bytes()
+                lines.append(f"  optimizer offload: {st.host_bytes() / 2**20:.2f} MiB on the host; per step "
+                             f"{up / 2**20:.2f} MiB to the device, {down / 2**20:.2f} MiB back (>= "
+                             f"{hl.stream_time(up, down) * 1e3:.2f} ms over {hl}); "
+                             f"{st.device_bytes() / 2**20:.2f} MiB kept on the device; {len(st.chunks)} "
+                             f"chunks, {st.window}-slot staging ring {st.staging_bytes() / 2**20:.2f} MiB")
+                if st.host:
+                    rate = f"{st.host_rate / 1e9:.2f} G elements/s measured" if st.host_rate else "rate not measured"
+                    lines.append(f"  host update: {len(st.host)} parameters, {st.host_elements() / 1e6:.1f} M "
+                                 f"elements on the host's cores ({rate}); predicted update "
+                                 f"{st.update_time(hl) * 1e3:.2f} ms")
+        lines.append(f"  {'collective':15s} {'phase':5s} {'sent/rank':>10s} {'pred µs':>9s}  param(s)")
+        for n in prog.collective_nodes():
+            c = collective_of(n)
+            lines.append(f"  {c.kind:15s} {c.phase:5s} {c.sent_bytes / 1024:8.1f}KiB {job.cost.comm_time(n) * 1e6:9.1f}  "
+                         f"{c.label[:60]}")
+    lines.append("placements (dp axis) and memory decisions:")
+    kept = set(job.ctx.keep_gathered)
+    for prog in job.programs():
+        kept |= set(prog.unsharded or ())
+    for n, lay in job.layouts.items():
+        place = "R" if job.strategy == "ddp" else str(lay)
+        what = []
+        if job.strategy == "zero3":
+            what.append("kept gathered fwd->bwd" if n in kept else "resharded after forward")
+        if job.state.streamer is not None:
+            st = job.state.streamer
+            what.append("master+optimizer state on the device" if n in st.resident
+                        else "master+optimizer state on host, updated on the host" if n in st.host
+                        else "master+optimizer state on host, streamed")
+        lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
+    return "\n".join(lines)
