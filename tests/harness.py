@@ -119,12 +119,14 @@ def bad_mesh(dp):
 
 
 def measured_peak(strategy: str, over: tuple = ()):
-    """(peak bytes on this rank during step 2, parameter bytes) for a model whose state dwarfs its activations."""
+    """(peak bytes on this rank during step 2, parameter bytes) for a model whose state dwarfs its
+    activations, one collective per parameter (the ZeRO paper's accounting: each gradient lives until
+    its own reduce-scatter)."""
     from shardwise.runtime.memory import measure
 
     torch.manual_seed(0)
     model = build("llama", "small", **dict(over))
-    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), shard_bucket_mb=0)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (1, 8), generator=g)
@@ -360,8 +362,10 @@ def accumulation_peak(strategy: str, micro: int = 4):
 
 
 def explain_text(strategy: str):
+    """``explain`` of a tiny Llama with one collective per parameter (a row each in the table)."""
     model = make_model("llama", "fp32")
-    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), link_profile="h200-nv18-x2")
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(), link_profile="h200-nv18-x2",
+                     shard_bucket_mb=0)
     job.step(make_batch("llama", 0, dist.get_rank()))
     return job.explain()
 
@@ -491,7 +495,7 @@ def grad_dtypes(**kw):
     return {a.meta["val"].dtype for a in out[1:]}
 
 
-def replan_run(budget, under):
+def replan_run(budget, under, **kw):
     """A memory model that under-predicts every graph's peak by ``under`` bytes (standing in for an
     allocation it does not know about): the first plan keeps too much gathered, step 2's measured
     peak contradicts it, and the plan is made again. Returns (replans, unsharded before, after,
@@ -505,7 +509,7 @@ def replan_run(budget, under):
     CostModel.liveness = lambda self, gm: dataclasses.replace(true(self, gm), peak=true(self, gm).peak - under)
     try:
         job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),
-                         memory_budget=budget)
+                         memory_budget=budget, **kw)
         b = make_batch("llama", 0, dist.get_rank())
         job.step(b)
         before = job.programs()[0].unsharded

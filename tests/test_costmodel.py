@@ -113,7 +113,8 @@ def test_auto_buckets_pick_the_fastest_size_within_the_peak_slack():
     assert len(sw_nodes(prog.gm)) == chosen[1]
     # a tight peak slack rules out buckets that raise the peak: only sizes within it can be chosen
     tight = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, shard_bucket_bytes="auto",
-                                                  cost=CostModel.custom(estimate=_count_estimator(1.0)), bucket_peak_slack=1.0))
+                                                  cost=CostModel.custom(estimate=_count_estimator(1.0)), bucket_peak_slack=1.0,
+                                                  bucket_peak_floor=0))
     base = tight.bucket_choice[0][2]
     c = next(r for r in tight.bucket_choice if r[3])
     assert c[2] <= base
@@ -164,7 +165,8 @@ def test_in_flight_cap_is_swept_where_gathers_outlast_the_compute_between_them()
     assert sum(prog.schedule["prefetched"].values()) > sum(two.schedule["prefetched"].values())
     assert est(prog.gm) == (chosen[1], chosen[2]) and est(two.gm) == (rows[0][1], rows[0][2])
     # no memory to spare: a cap that raises the predicted peak is shown but not chosen
-    tight = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, cost=CostModel.custom(estimate=est), bucket_peak_slack=1.0))
+    tight = shard_step(cap, "zero3", ShardContext(4, "g", schedule=True, cost=CostModel.custom(estimate=est), bucket_peak_slack=1.0,
+                                                  bucket_peak_floor=0))
     t_rows = tight.schedule["cap_choice"]
     assert all(r[2] <= t_rows[0][2] for r in t_rows if r[3]) and t_rows[-1][2] > t_rows[0][2]
     # gloo (one collective at a time) and an explicit cap are not swept

@@ -141,12 +141,18 @@ def _sweeps(ctx: ShardContext) -> bool:
     return not ctx.max_in_flight and ctx.cost is not None and ctx.max_ops_in_flight != 1
 
 
+def _peak_limit(ctx: ShardContext, base: int) -> float:
+    """The predicted peak a bucket size or in-flight cap may reach from ``base``: the slack's share
+    of it, or the floor's bytes over it, whichever is more (ShardContext.bucket_peak_floor)."""
+    return max(ctx.bucket_peak_slack * base, base + ctx.bucket_peak_floor)
+
+
 def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: int | None) -> Program:
     """Schedule ``prog`` for latency hiding, then finish it (``_after_schedule``). The cap on bytes
     in flight is ``ctx.max_in_flight`` if set; else, where ``_sweeps`` and ``sweep``, the cap among
     ``CAP_FACTORS`` times the largest payload that the cost model predicts fastest (within
     ``CAP_TIE``; ties to the smaller) of those whose predicted peak stays within
-    ``ctx.bucket_peak_slack`` of ``ref_peak`` and under ``ctx.peak_limit``; else twice the largest
+    ``_peak_limit`` of ``ref_peak`` and under ``ctx.peak_limit``; else twice the largest
     payload. Each cap is judged on the finished program. A larger cap issues all-gathers further
     ahead: what a layer whose weights take longer to gather than to use needs (an MoE's experts), at
     the price of the gathered weights living longer. The same graph gives the same choice on every
@@ -161,7 +167,7 @@ def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: i
         p.schedule = schedule.schedule(p.gm, k * largest, ctx.max_ops_in_flight)
         p = _after_schedule(p, ctx)
         t, peak = ctx.cost.estimate(p.gm)
-        limit = ctx.bucket_peak_slack * (ref_peak if ref_peak is not None else (rows[0][2] if rows else peak))
+        limit = _peak_limit(ctx, ref_peak if ref_peak is not None else (rows[0][2] if rows else peak))
         ok = peak <= limit and (ctx.peak_limit is None or peak <= ctx.peak_limit)
         rows.append([k * largest, t, peak, False])
         if not ok and tried:
@@ -178,7 +184,7 @@ def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: i
 def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Program:
     """Try bucket sizes (none, then 1, 2, 4, 8 and 16 times the largest parameter), finish each
     program and keep the one the cost model predicts fastest among those whose predicted peak is
-    within ``ctx.bucket_peak_slack`` of the unbucketed one. The sweep stops at the first size that
+    within ``_peak_limit`` of the unbucketed one. The sweep stops at the first size that
     is slower than a smaller one or over the slack (time falls, then rises, with bucket size: fewer
     latencies against less overlap; the peak only grows). Deterministic: same graph, same choice."""
     if ctx.cost is None:
@@ -190,10 +196,10 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
         t, peak = ctx.cost.estimate(p.gm)
         rows.append([k * largest, t, peak, False])
         progs.append(p)
-        if k and (t > min(r[1] for r in rows[:-1]) or peak > ctx.bucket_peak_slack * rows[0][2]):
+        if k and (t > min(r[1] for r in rows[:-1]) or peak > _peak_limit(ctx, rows[0][2])):
             break  # slower than a smaller size, or over the memory slack: larger ones will not do better
     base_peak = rows[0][2]
-    ok = [i for i, r in enumerate(rows) if r[2] <= ctx.bucket_peak_slack * base_peak]
+    ok = [i for i, r in enumerate(rows) if r[2] <= _peak_limit(ctx, base_peak)]
     best = min(ok, key=lambda i: (rows[i][1], i))
     rows[best][3] = True
     chosen = progs[best]

@@ -42,8 +42,9 @@ class ShardContext:
     """Device to stage collective payloads on (``"cpu"`` for gloo ranks whose tensors are on a GPU)."""
     shard_bucket_bytes: int | str | None = 0
     """Close zero all-gather/reduce-scatter buckets at this many bytes (passes/bucket.py); 0: one
-    collective per parameter; None: twice the largest parameter's; ``"auto"``: the size ``estimate``
-    predicts fastest among candidates whose predicted peak stays within ``bucket_peak_slack``."""
+    collective per parameter; None: twice the largest parameter's; ``"auto"``: the size the cost model
+    predicts fastest among candidates whose predicted peak stays within ``bucket_peak_slack`` (or
+    ``bucket_peak_floor``) of none."""
     keep_gathered: frozenset = frozenset()
     """zero3 parameters whose forward all-gather is kept for the backward (selective unsharding):
     no backward all-gather, at the price of the whole weight living from forward to backward."""
@@ -67,7 +68,13 @@ class ShardContext:
     """Parameters whose inputs get a readiness wait before their first reader (passes/ready.py):
     the optimizer update of the previous step may still be running when the step starts."""
     bucket_peak_slack: float = 1.10
-    """``"auto"`` buckets may raise the graph's predicted peak by at most this factor over none."""
+    """``"auto"`` buckets (and the in-flight cap) may raise the graph's predicted peak by at most this
+    factor over none, or by ``bucket_peak_floor`` bytes where that is more."""
+    bucket_peak_floor: int = 2**20
+    """Bytes of predicted peak any step may spend on buckets and prefetch whatever its size: 10% of a
+    tiny model's megabyte is a few kilobytes, too little for any bucket, and every collective saved
+    is a latency (about 0.2-1 ms on gloo) saved. One MiB lets a tiny model's collectives merge into
+    one per phase; a large step's 10% is far more than this."""
     schedule: bool = True
     """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it
     (each waited for right after it starts)."""

@@ -73,7 +73,10 @@ class Executor:
         tensors, _, _ = flatten_batch(batch)
         with torch.no_grad():
             outs = compiled.run(*self.inputs(compiled.program, tensors), *extra)
-        self.comm_bytes += compiled.program.comm_bytes()
+        prog = compiled.program
+        if getattr(prog, "sent_per_run", None) is None:  # a walk over every node: once, not every step
+            prog.sent_per_run = prog.comm_bytes()
+        self.comm_bytes += prog.sent_per_run
         return outs
 
     def zeros_like_inputs(self, compiled: Compiled, n: int) -> list[torch.Tensor]:

@@ -27,6 +27,12 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), SHARDWISE_BACKEND="gloo",
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # torch read its thread count when this process imported it, before the line above: ranks that
+    # share the cores each take their share of them (two ranks of two threads on two cores spin
+    # against each other in gloo's collectives)
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     fn(*args)
     # The work is done and flushed; leave without running interpreter teardown, where gloo's
     # threads were seen to abort a finished rank now and then ("terminate called without an
