@@ -237,18 +237,25 @@ def _bench_parser(sub) -> None:
                         "agreed by every rank); its row records why and the next system runs")
 
 
+def bench_config(args):
+    """The bench's configuration from the flags, validated (before any rank starts)."""
+    from shardwise.bench import BenchConfig
+
+    return BenchConfig(model=args.model, size=args.size, batch=args.batch, seq=args.seq, precision=args.precision,
+                       checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
+                       warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
+                       memory_fraction=args.memory_fraction, link_profile=args.link_profile,
+                       trace_dir=args.trace_dir, memory_sites=args.memory_sites,
+                       system_timeout=args.system_timeout)
+
+
 def bench_main(args) -> None:
     import torch.distributed as dist
 
-    from shardwise.bench import BenchConfig, bench
+    from shardwise.bench import bench
     from shardwise.runtime.mesh import ensure_process_group
 
-    cfg = BenchConfig(model=args.model, size=args.size, batch=args.batch, seq=args.seq, precision=args.precision,
-                      checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
-                      warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
-                      memory_fraction=args.memory_fraction, link_profile=args.link_profile,
-                      trace_dir=args.trace_dir, memory_sites=args.memory_sites,
-                      system_timeout=args.system_timeout)
+    cfg = bench_config(args)
     ensure_process_group()
     bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]), append=args.append)
     dist.barrier()
@@ -590,8 +597,13 @@ def main(argv=None) -> int:
     if args.cmd == "plan":  # a prediction: no processes, no devices
         plan_main(args)
         return 0
-    if args.cmd == "bench" and args.precision == "fp64":
-        parser.error("bench: --precision must be fp32 or bf16")
+    if args.cmd == "bench":
+        if args.precision == "fp64":
+            parser.error("bench: --precision must be fp32 or bf16")
+        try:  # bad systems, options and settings are told here, before any rank starts
+            bench_config(args)
+        except ValueError as e:
+            parser.error(str(e))
     fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main, "bench": bench_main}[args.cmd]
     from shardwise.runtime.launch import spawn, under_launcher
 

@@ -15,7 +15,9 @@ import hashlib
 import re
 
 from .capture import batch_signature, capture_step, flatten_batch
+from .config import JobConfig
 from .passes import ShardContext, shard_step
+from .passes.carveout import choose as carveout_settings
 from .runtime.executor import Compiled, executable
 
 
@@ -28,6 +30,41 @@ def rank_free(code: str) -> str:
 def batch_key(batch, mode: str) -> tuple:
     tensors, consts, spec = flatten_batch(batch)
     return batch_signature(spec, consts, tensors), mode
+
+
+def pass_context(config: JobConfig, model, dp: int, group: str, backend: str, device, cost) -> ShardContext:
+    """What the passes are told (passes/program.py ``ShardContext``): the data-parallel axis, the
+    precision policy, the cost model and the options of ``config``, checked against the model."""
+    mp, sch, mem, off, upd = config.mixed_precision, config.schedule, config.memory, config.offload, config.update
+    ctx = ShardContext(
+        dp, group, cost=cost, param_dtype=mp.param_dtype,
+        reduce_dtype=mp.reduce_dtype if mp.param_dtype is not None else None,
+        bucket_bytes=int(sch.bucket_mb * 2**20), shard_bucket_bytes=sch.shard_bucket_bytes, schedule=sch.schedule,
+        max_in_flight=None if sch.max_in_flight_mb is None else int(sch.max_in_flight_mb * 2**20),
+        # gloo: one at a time (see ShardContext.max_ops_in_flight)
+        max_ops_in_flight=1 if backend == "gloo" else sch.max_in_flight_ops,
+        # gloo moves only host tensors reliably: ranks on a GPU over gloo stage collectives on the CPU
+        stage="cpu" if backend == "gloo" and device.type != "cpu" else None,
+        recompute=mem.recompute, offload_activations=mem.offload_activations,
+        sm_carveout=carveout_settings(config.matmul_sm_carveout, device, backend, sch.schedule))
+    if off.offload_optimizer and mp.param_dtype is not None:
+        # the graph reads the device shards in the compute dtype; the fp32 masters are on the host.
+        # At one rank nothing is reduced: the gradients stay in the compute dtype and are cast
+        # chunk by chunk in the streamed update (the same values; half the device bytes). Not
+        # under clipping, whose norm is taken over the master-dtype gradients.
+        ctx = dataclasses.replace(ctx, master_dtype=mp.param_dtype,
+                                  compute_dtype_grads=dp == 1 and upd.clip_grad_norm is None)
+    named = dict(model.named_parameters())
+    if off.offload_optimizer or upd.overlap_update:
+        # the update of one step may still run when the next starts: its graph waits for each
+        # parameter before its first reader (passes/ready.py; no-ops where nothing is pending)
+        ctx = dataclasses.replace(ctx, param_ready=frozenset(n for n, p in named.items() if p.requires_grad))
+    if mem.keep_gathered is not None:
+        unknown = sorted(mem.keep_gathered - set(named))
+        if unknown:
+            raise ValueError(f"keep_gathered names parameters the model does not have: {unknown[:5]}")
+        ctx = dataclasses.replace(ctx, keep_gathered=mem.keep_gathered)
+    return ctx
 
 
 class Compiler:

@@ -3,7 +3,6 @@ plan (budget.py), the runtime (runtime/: state, executor, update) and the cost m
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable
 
@@ -12,12 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .budget import MemoryPlan, budget_bytes
-from .compiler import Compiler, batch_key
+from .compiler import Compiler, batch_key, pass_context
 from .config import JobConfig, MemoryOptions, MixedPrecision, OffloadOptions, ScheduleOptions, UpdateOptions
 from .costmodel import CostModel
 from .errors import MeshError
-from .passes import Program, ShardContext
-from .passes.carveout import choose as carveout_settings
+from .passes import Program
 from .passes.zero import layouts_for
 from .runtime.agree import Agreement
 from .runtime.executor import Compiled, Executor
@@ -117,25 +115,9 @@ class Job:
         self.cost = CostModel.for_job(config.link_profile, dev.type, backend,
                                       torch.cuda.get_device_name(dev) if dev.type == "cuda" else "",
                                       fused=config.executor == "inductor")
-        mp, sch, mem, off, upd = config.mixed_precision, config.schedule, config.memory, config.offload, config.update
-        ctx = ShardContext(
-            dp, group.group_name, cost=self.cost, param_dtype=mp.param_dtype,
-            reduce_dtype=mp.reduce_dtype if mp.param_dtype is not None else None,
-            bucket_bytes=int(sch.bucket_mb * 2**20), shard_bucket_bytes=sch.shard_bucket_bytes, schedule=sch.schedule,
-            max_in_flight=None if sch.max_in_flight_mb is None else int(sch.max_in_flight_mb * 2**20),
-            # gloo: one at a time (see ShardContext.max_ops_in_flight)
-            max_ops_in_flight=1 if backend == "gloo" else sch.max_in_flight_ops,
-            # gloo moves only host tensors reliably: ranks on a GPU over gloo stage collectives on the CPU
-            stage="cpu" if backend == "gloo" and dev.type != "cpu" else None,
-            recompute=mem.recompute, offload_activations=mem.offload_activations,
-            sm_carveout=carveout_settings(config.matmul_sm_carveout, dev, backend, sch.schedule))
-        if off.offload_optimizer and mp.param_dtype is not None:
-            # the graph reads the device shards in the compute dtype; the fp32 masters are on the host.
-            # At one rank nothing is reduced: the gradients stay in the compute dtype and are cast
-            # chunk by chunk in the streamed update (the same values; half the device bytes). Not
-            # under clipping, whose norm is taken over the master-dtype gradients.
-            ctx = dataclasses.replace(ctx, master_dtype=mp.param_dtype,
-                                      compute_dtype_grads=dp == 1 and upd.clip_grad_norm is None)
+        mp, mem, off, upd = config.mixed_precision, config.memory, config.offload, config.update
+        # every option checked against the model and device before the model's weights are touched
+        self.ctx = pass_context(config, model, dp, group.group_name, backend, dev, self.cost)
         devs = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
         if any(d.type != dev.type for d in devs):
             raise ValueError(f"the model's tensors are on {sorted(map(str, devs))} but the mesh runs on {dev}; "
@@ -151,23 +133,13 @@ class Job:
                                   offload=bool(off.offload_optimizer),
                                   offload_chunk_bytes=int(off.offload_chunk_mb * 2**20),
                                   offload_overlap=off.offload_overlap, fused=upd.fused_optimizer)
-        if self.state.streamer is not None or upd.overlap_update:
-            # the update of one step may still run when the next starts: its graph waits for each
-            # parameter before its first reader (passes/ready.py; no-ops where nothing is pending)
-            ctx = dataclasses.replace(ctx, param_ready=frozenset(self.state.grad_names))
-        if mem.keep_gathered is not None:
-            unknown = sorted(mem.keep_gathered - set(self.layouts))
-            if unknown:
-                raise ValueError(f"keep_gathered names parameters the model does not have: {unknown[:5]}")
-            ctx = dataclasses.replace(ctx, keep_gathered=mem.keep_gathered)
-        self.ctx = ctx
         self.buffers = dict(model.named_buffers())
         self.updater = Updater(self.state, dev, group, dp, upd.clip_grad_norm, upd.overlap_update)
         self.executor = Executor(self.state, self.buffers, dev)
         self.plan = MemoryPlan(self.state, self.buffers, self.cost, self.agree, self.updater, dev, group, dp,
                                budget_bytes(mem.memory_budget, dev), off.offload_optimizer == "all",
                                off.offload_host_update, lambda: self.compiler.step_programs())
-        self.compiler = Compiler(model, self.strategy, ctx, self.agree, self.plan, dev, mp.param_dtype,
+        self.compiler = Compiler(model, self.strategy, self.ctx, self.agree, self.plan, dev, mp.param_dtype,
                                  config.loss_fn, inductor=config.executor == "inductor")
         self.node_times: dict[tuple, dict[str, float]] = {}
         """Measured seconds per node of a program (``profile_compute``), by (batch signature, mode)."""

@@ -481,6 +481,7 @@ def test_sm_contention_holds_a_collective_back_behind_a_product_that_fills_every
 
 def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(monkeypatch):
     from shardwise.passes import carveout
+    from shardwise.runtime.ops import CARVED
 
     # the tiny MoE's products are far below one tile per SM: count every product as filling the SMs
     monkeypatch.setattr(carveout, "TILE", 1)
@@ -493,7 +494,7 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
     before, after, keep = carved.carve_choice
     assert keep and carved.carved > 0 and after <= before * (1 - carveout.CARVE_TIE), carved.carve_choice
     assert before == simulate(plain.gm, compute, comm, carveout.contention(auto)).step_s
-    assert any(n.target in carveout.CARVED.values() for n in carved.gm.graph.nodes)
+    assert any(n.target in CARVED.values() for n in carved.gm.graph.nodes)
     # where the collectives are short, holding them back costs little and carving costs the products
     # their SMs: not carved, and the program is the uncarved one
     fast = dict(kw, cost=CostModel.custom(compute, lambda n: sched.payload(n) / 3e6, est))
@@ -507,13 +508,13 @@ def test_auto_carveout_carves_where_the_contention_model_predicts_a_faster_step(
     free = carveout.contention(auto)
     kinds = {}
     for n in carved.gm.graph.nodes:
-        if n.op == "call_function" and (n.target in carveout.CARVED or n.target in carveout.CARVED.values()
+        if n.op == "call_function" and (n.target in CARVED or n.target in CARVED.values()
                                         or n.target is torch.ops.aten.add.Tensor):
-            kinds[n.target in carveout.CARVED.values(), n.target is torch.ops.aten.add.Tensor] = free(n)
+            kinds[n.target in CARVED.values(), n.target is torch.ops.aten.add.Tensor] = free(n)
     assert kinds[True, False] == 1.0 and kinds[False, True] == 1.0
     # a carved product leaving 32 SMs, for a collective that needs 64: half
     assert carveout.contention(carveout.SMCarveout(32, 64, need=64))(
-        next(n for n in carved.gm.graph.nodes if n.target in carveout.CARVED.values())) == 0.5
+        next(n for n in carved.gm.graph.nodes if n.target in CARVED.values())) == 0.5
     # off CUDA the collectives take no SMs: "auto" never carves; a number carves, inert (share 1)
     from shardwise.passes.carveout import choose as choose_carveout
 

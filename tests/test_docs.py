@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["shardwise", "shardwise.job", "shardwise.runtime.mesh", "shardwise.capture.trace", "shardwise.recipes"]
+MODULES = ["shardwise", "shardwise.job", "shardwise.config", "shardwise.runtime.mesh", "shardwise.capture.trace",
+           "shardwise.sharding.ops", "shardwise.costmodel.model", "shardwise.recipes"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -85,18 +85,18 @@ SHARDWISE_OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_
             "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else None if v == "off" else (int(v) or None))}
 
 # options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
-_PEERSHARDWISE_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
+PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
 
 
 # options of the deepspeed systems: ``deepspeed:offload=1+ratio=0.7``, ``deepcompile:offload=1``
-_DSSHARDWISE_OPTIONS = {"offload": ("ds_offload", lambda v: bool(int(v))), "ratio": ("ds_ratio", float)}
+DS_OPTIONS = {"offload": ("ds_offload", lambda v: bool(int(v))), "ratio": ("ds_ratio", float)}
 
 
 def options(system: str) -> dict:
     if ":" not in system:
         return {}
     table = (SHARDWISE_OPTIONS if system.startswith("shardwise") else
-             _DSSHARDWISE_OPTIONS if system.startswith(("deepspeed", "deepcompile")) else _PEERSHARDWISE_OPTIONS)
+             DS_OPTIONS if system.startswith(("deepspeed", "deepcompile")) else PEER_OPTIONS)
     out = {}
     for item in system.split(":", 1)[1].split("+"):
         k, _, v = item.partition("=")

@@ -14,7 +14,7 @@ from .config import BenchConfig, options
 
 def bench_device() -> torch.device:
     if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.currentbench_device())
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 

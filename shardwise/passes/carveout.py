@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..runtime.ops import CARVED
+from ..runtime import ops as runtime_ops  # noqa: F401 - its carved twins enter the op registry on import
+from ..sharding.ops import info
 
 CARVE_TIE = 0.02
 """``auto`` carves only where the carved program is predicted at least this much faster (the
@@ -77,12 +78,10 @@ def contention(c: SMCarveout) -> Callable[[fx.Node], float]:
     """The share of a collective's SMs a compute node leaves free while it runs (costmodel/simulate.py):
     0 for an uncarved product with a tile per SM, the carved SMs over what the collective needs for
     a carved product, 1 for the rest (small kernels leave SMs free between their blocks)."""
-    carved = set(CARVED.values())
-
     def free(n: fx.Node) -> float:
-        if n.target in carved:
+        if info(n.target).carves is not None:
             return min(1.0, n.args[-1] / c.need)
-        if n.target in CARVED:
+        if info(n.target).carved is not None:
             v = n.meta.get("val")
             return 0.0 if v is not None and v.numel() >= TILE * c.total else 1.0
         return 1.0
@@ -100,14 +99,15 @@ def apply(gm: fx.GraphModule, c: SMCarveout, cost) -> tuple[int, tuple[float, fl
     before = cost.simulate(gm, free=contention(c)).step_s if c.auto else None
     carved = []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in CARVED or n.kwargs or n.name not in runs:
+        twin = info(n.target).carved if n.op == "call_function" else None
+        if twin is None or n.kwargs or n.name not in runs:
             continue
         s, e = runs[n.name]
         if e - s < c.min_s or not any(cs < e and s < ce for cs, ce in comm):
             continue
         carved.append((n, n.target, n.args))
         n.meta["sm_share"] = c.share
-        n.target = CARVED[n.target]
+        n.target = twin
         n.args = (*n.args, c.sms)
     choice = None
     if c.auto:

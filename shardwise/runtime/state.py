@@ -91,9 +91,6 @@ class ShardedState:
                 for n, p in params.items():
                     keep = param_dtype is None or not p.is_floating_point()
                     self.full[n] = p.detach() if keep else p.detach().to(param_dtype)
-            if strategy == "zero3" or param_dtype is not None:
-                # the whole weights now live only as shards (and, for zero1/2, compute copies)
-                release_to_meta(model)
             opt_tensors = [(n, t) for n, t in self.master.items() if t.requires_grad]
         if not opt_tensors:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
@@ -123,6 +120,10 @@ class ShardedState:
                 f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}, strategy='ddp', or mark a class whose "
                 "update is elementwise with `shardwise_elementwise = True`."
             )
+        if strategy != "ddp" and (strategy == "zero3" or param_dtype is not None):
+            # the whole weights now live only as shards (and, for zero1/2, compute copies): released
+            # last, once nothing above can refuse the job, so a refused job leaves the model as it was
+            release_to_meta(model)
 
     def param_inputs(self, full_input: bool, dtypes: dict[str, torch.dtype]) -> list[torch.Tensor]:
         """The parameter inputs of the step graph, in capture order."""
