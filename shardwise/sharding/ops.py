@@ -50,6 +50,9 @@ class OpInfo:
     """For a carved twin: the product it runs (its FLOPs and layouts are the product's)."""
     to_host: bool = False
     """Copies its input to host memory on a side stream (activation offload, runtime/ops.py)."""
+    rule: Callable | None = None
+    """Its sharding rule on one mesh axis (sharding/rules/): (node, placement of an input, ranks) ->
+    (placements it needs its inputs in, its output's placement)."""
     free: bool = False
     """Runs no kernel the roofline charges: a collective (the link model times it), a wait, a pick from
     a tuple, a Python no-op the passes insert (``keep_alive``)."""

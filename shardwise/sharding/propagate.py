@@ -1,0 +1,132 @@
+"""Sharding propagation over the joint graph (forward and backward together), on one mesh axis.
+
+Seeds place some inputs (the tensor-parallel plan's parameters); every other input is replicated.
+Nodes are visited in graph order, so each one's inputs are placed before it: the op's rule
+(sharding/rules/, registered in the op registry) takes the inputs' placements and says which
+placements it needs them in and what its output is. Where an input is not in the placement its rule
+needs, a ``Reshard`` is recorded on that edge: the collective the partitioner inserts there (S→R
+all-gather, P→R all-reduce, P→S reduce-scatter, S(d)→S(d') all-to-all, R→S a local slice). The
+graph's outputs want the loss replicated and each gradient placed as its parameter.
+
+Partial values (pending sums) flow on through linear ops (views, additions of partials, products
+with replicated factors) and are reduced where an op needs the whole value: a row-parallel product's
+output is all-reduced once before the residual addition, however many views lie between. The result
+is a function of the graph and the seeds alone, so every rank derives the same plan.
+
+    >>> import torch
+    >>> from shardwise.sharding import Shard, Replicate
+    >>> from shardwise.sharding.propagate import propagate
+    >>> g = torch.fx.Graph()
+    >>> x, w = g.placeholder("x"), g.placeholder("w")
+    >>> x.meta["val"], w.meta["val"] = torch.empty(4, 8), torch.empty(8, 6)
+    >>> y = g.call_function(torch.ops.aten.mm.default, (x, w)); y.meta["val"] = torch.empty(4, 6)
+    >>> _ = g.output([y])
+    >>> plan = propagate(torch.fx.GraphModule(torch.nn.Module(), g), {w: Shard(1)}, 2, outputs=[Replicate()])
+    >>> str(plan.placements[y]), [str(r) for r in plan.reshards]
+    ('S(1)', ['all_gather S(1)->R of mm_default into output'])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from . import rules  # noqa: F401 - the op families' rules enter the op registry on import
+from .ops import info
+from .placements import Partial, Replicate, Shard
+from .rules.base import R, ShardingError, norm, val
+from .rules.pointwise import is_pointwise, pointwise_rule
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """``arg`` is moved from ``src`` to ``dst`` before ``node`` reads it."""
+
+    node: fx.Node
+    arg: fx.Node
+    src: object
+    dst: object
+
+    @property
+    def kind(self) -> str:
+        """The collective that does it (or ``slice``: a local slice of a replicated value)."""
+        s, d = self.src, self.dst
+        if isinstance(s, Partial):
+            return "all_reduce" if isinstance(d, Replicate) else "reduce_scatter"
+        if isinstance(s, Shard):
+            return "all_gather" if isinstance(d, Replicate) else "all_to_all"
+        return "slice"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.src}->{self.dst} of {self.arg.name} into {self.node.name}"
+
+
+@dataclass
+class Propagation:
+    """Each node's placement on the axis (a tuple of them for an op of several outputs) and the
+    reshards the partitioner must insert."""
+
+    ranks: int
+    placements: dict = field(default_factory=dict)
+    reshards: list = field(default_factory=list)
+
+    def collectives(self) -> list[Reshard]:
+        """The reshards as the partitioner inserts them: one per value and placement it is moved to
+        (readers that need the same value alike share it), in graph order."""
+        seen, out = set(), []
+        for r in self.reshards:
+            if (r.arg, r.dst) not in seen:
+                seen.add((r.arg, r.dst))
+                out.append(r)
+        return out
+
+    def count(self, kind: str) -> int:
+        """Collectives of ``kind`` the partitioner inserts."""
+        return sum(r.kind == kind for r in self.collectives())
+
+
+def check_divisible(node: fx.Node, p, ranks: int, names: dict | None = None) -> None:
+    v = val(node)
+    if isinstance(p, Shard) and v is not None and v.shape[p.dim] % ranks:
+        raise ShardingError(f"{(names or {}).get(node, node.name)} ({node.target}) of shape {tuple(v.shape)} would be sharded on dim {p.dim} "
+                            f"over {ranks} ranks, which do not divide its {v.shape[p.dim]}: choose a tensor-parallel "
+                            f"size that divides it, or replicate the parameter feeding it in the tp plan")
+
+
+def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None = None,
+              names: dict | None = None) -> Propagation:
+    """Place every node of ``gm`` on an axis of ``ranks`` ranks from ``seeds`` (placeholder -> placement);
+    ``outputs``: the placement each graph output must have (None: as its producer leaves it); ``names``:
+    what errors call a placeholder (its parameter's name)."""
+    plan = Propagation(ranks)
+    pl = plan.placements
+
+    def place(a):
+        return pl.get(a, R) if isinstance(a, fx.Node) else None
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            pl[n] = norm(seeds.get(n, R), val(n).dim() if val(n) is not None else 1)
+            check_divisible(n, pl[n], ranks, names)
+        elif n.op == "call_function":
+            rule = info(n.target).rule
+            if rule is None:
+                if not is_pointwise(n):
+                    got = {a.name: str(place(a)) for a in n.all_input_nodes}
+                    raise ShardingError(f"no sharding rule for {n.target} (node {n.name}, inputs placed {got}); "
+                                        "add one in shardwise/sharding/rules/, or replicate what feeds it in the tp plan")
+                rule = pointwise_rule
+            need, out = rule(n, place, ranks)
+            for a, dst in need.items():
+                if dst != place(a):
+                    plan.reshards.append(Reshard(n, a, place(a), dst))
+            pl[n] = out
+            for p in (out if isinstance(out, tuple) else (out,)):
+                if isinstance(p, Shard) and val(n) is not None:
+                    check_divisible(n, p, ranks)
+        elif n.op == "output" and outputs is not None:
+            for a, dst in zip(n.args[0], outputs):
+                if isinstance(a, fx.Node) and dst is not None and dst != place(a):
+                    plan.reshards.append(Reshard(n, a, place(a), dst))
+    return plan

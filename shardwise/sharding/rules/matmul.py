@@ -1,0 +1,56 @@
+"""Matrix products, as einsums: ``mk,kn->mn`` (mm), ``bmk,bkn->bmn`` (bmm).
+
+A dim that only one operand has (m, n) or both keep (the batch b) carries its shard to the output;
+the contracted dim k sharded on both operands gives partial sums (the row-parallel product). A
+replicated operand is sliced locally to match a shard of the other one on k. Column-parallel:
+``x @ W`` with W sharded on n. Row-parallel: ``x_k @ W_k`` gives a partial result, reduced once
+where its first nonlinear reader needs it whole."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import register
+from ..placements import Partial, Shard
+from .base import R
+
+aten = torch.ops.aten
+
+
+def _einsum(a_dims: str, b_dims: str, out_dims: str, node, place):
+    a, b = node.args[0], node.args[1]
+    pa, pb = place(a), place(b)
+    if isinstance(pa, Partial) or isinstance(pb, Partial):  # linear in each operand: partial times replicated
+        if isinstance(pa, Partial) and pb == R or isinstance(pb, Partial) and pa == R:
+            return {}, Partial()
+        return {x: R for x in (a, b) if isinstance(place(x), Partial)}, R
+    la = a_dims[pa.dim] if isinstance(pa, Shard) else None
+    lb = b_dims[pb.dim] if isinstance(pb, Shard) else None
+    contracted = set(a_dims) & set(b_dims) - set(out_dims)
+    if la is None and lb is None:
+        return {}, R
+    if la is not None and lb is not None and la != lb:
+        return {b: R}, _out(la, a_dims, out_dims, contracted)  # different letters: gather the right operand
+    letter = la or lb
+    need = {}
+    if letter in contracted or letter in set(a_dims) & set(b_dims):  # both operands have it
+        for x, dims, p in ((a, a_dims, pa), (b, b_dims, pb)):
+            if p == R:
+                need[x] = Shard(dims.index(letter))  # the replicated operand's local slice
+    return need, _out(letter, a_dims, out_dims, contracted)
+
+
+def _out(letter, a_dims, out_dims, contracted):
+    return Partial() if letter in contracted else Shard(out_dims.index(letter))
+
+
+def mm(node, place, ranks):
+    return _einsum("mk", "kn", "mn", node, place)
+
+
+def bmm(node, place, ranks):
+    return _einsum("bmk", "bkn", "bmn", node, place)
+
+
+register(aten.mm.default, rule=mm)
+register(aten.bmm.default, rule=bmm)

@@ -1,0 +1,65 @@
+"""Elementwise ops, with broadcasting: a shard passes through to the output dim it lines up with.
+
+Operands are aligned from the right, as broadcasting does. Every sharded operand must name the same
+output dim; a replicated operand that has that dim at full size is sliced to it locally (no
+communication), one that broadcasts along it (size 1) is read whole. A pending sum (Partial) passes
+through additions and subtractions of partials and through copies; anything else needs the sum
+taken first (an all-reduce). Products with replicated factors are linear too, but taking the sum
+before them is what keeps it to one: a gradient that reaches a norm's backward as partial sums
+would leave the norm's weight gradient partial as well (two reductions, not one)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..ops import elementwise, register
+from ..placements import Partial, Shard
+from .base import R, tensors, val
+
+aten = torch.ops.aten
+_SUMS = (aten.add.Tensor, aten.sub.Tensor)
+"""Linear in every operand: partial + partial is the partial of the sum."""
+_COPIES = (aten.clone.default, aten.detach.default, aten.alias.default)
+"""The value itself: a partial stays partial."""
+
+
+def is_pointwise(n: fx.Node) -> bool:
+    return elementwise(n) or n.target in (aten.clone.default, aten.detach.default, aten.alias.default)
+
+
+def pointwise_rule(node: fx.Node, place, ranks: int):
+    ins = tensors(node)
+    out = val(node)
+    nd = out.dim()
+    partial = [a for a in ins if isinstance(place(a), Partial)]
+    if partial:
+        others = [a for a in ins if a not in partial]
+        # a sum of partials is partial (x + y with x partial and y replicated is not: y would be
+        # added once per rank)
+        if node.target in _SUMS and not others or node.target in _COPIES:
+            return {}, Partial()
+        return {a: R for a in partial}, _pointwise(node, ins, lambda a: R if a in partial else place(a), nd)[1]
+    return _pointwise(node, ins, place, nd)
+
+
+def _pointwise(node, ins, place, nd):
+    out_dims = {}
+    for a in ins:
+        p = place(a)
+        if isinstance(p, Shard):
+            out_dims.setdefault(p.dim + nd - val(a).dim(), a)
+    if not out_dims:
+        return {}, R
+    if len(out_dims) > 1:  # shards on different dims: gather all (rare: no model of ours does it)
+        return {a: R for a in ins}, R
+    (d, _), = out_dims.items()
+    need = {}
+    for a in ins:
+        k = d - (nd - val(a).dim())
+        if k >= 0 and place(a) == R and val(a).shape[k] == val(node).shape[d] and val(a).shape[k] != 1:
+            need[a] = Shard(k)  # a replicated operand at full size: its local slice
+    return need, Shard(d)
+
+
+register(aten.detach.default, aten.alias.default, aten.clone.default, rule=pointwise_rule)

@@ -1,0 +1,84 @@
+"""Reductions and normalisations: a reduced sharded dim leaves a partial sum; a normalisation needs its
+normalised dims whole on every rank and keeps the shard of the others (the token dims, under
+sequence parallelism); a softmax needs its dim whole."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import register
+from ..placements import Partial, Shard
+from .base import R, dim, outputs_like, tensors, val
+
+aten = torch.ops.aten
+
+
+def _dims(node, nd):
+    ds = node.args[1] if len(node.args) > 1 else None
+    if ds is None:
+        return list(range(nd))
+    return sorted(dim(d, nd) for d in (ds if isinstance(ds, (list, tuple)) else [ds]))
+
+
+def sum_(node, place, ranks):
+    x = node.args[0]
+    p, nd = place(x), val(x).dim()
+    if isinstance(p, Partial):
+        return {}, Partial()
+    if not isinstance(p, Shard):
+        return {}, p
+    ds = _dims(node, nd)
+    if p.dim in ds:
+        return {}, Partial()
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return {}, Shard(p.dim if keep else p.dim - sum(d < p.dim for d in ds))
+
+
+def mean(node, place, ranks):
+    x = node.args[0]
+    p, nd = place(x), val(x).dim()
+    if isinstance(p, Shard) and p.dim in _dims(node, nd):
+        return {x: R}, R  # its divisor is the whole dim's size: reduce the whole tensor
+    return sum_(node, place, ranks)
+
+
+def softmax(node, place, ranks):
+    x = node.args[0]
+    p = place(x)
+    if isinstance(p, Partial) or isinstance(p, Shard) and p.dim == dim(node.args[1], val(x).dim()):
+        return {a: R for a in tensors(node)}, R
+    return {a: p for a in tensors(node) if place(a) != p}, p
+
+
+def softmax_backward(node, place, ranks):
+    grad, out = node.args[0], node.args[1]
+    p = place(grad)
+    if isinstance(p, Shard) and p.dim != dim(node.args[2], val(out).dim()) and place(out) == p:
+        return {}, p
+    return {a: R for a in (grad, out)}, R
+
+
+def layer_norm(node, place, ranks):
+    x = node.args[0]
+    p, nd, k = place(x), val(x).dim(), len(node.args[1])
+    if isinstance(p, Shard) and p.dim < nd - k:
+        return {a: R for a in tensors(node)[1:] if place(a) != R}, outputs_like(node, p)
+    return {a: R for a in tensors(node)}, outputs_like(node, R)
+
+
+def layer_norm_backward(node, place, ranks):
+    grad, x = node.args[0], node.args[1]
+    p, nd, k = place(grad), val(x).dim(), len(node.args[2])
+    if isinstance(p, Shard) and p.dim < nd - k and place(x) == p:
+        # the input's gradient keeps the token shard; the weight's and bias's sum over the tokens
+        need = {a: p for a in (node.args[3], node.args[4]) if place(a) != p}
+        return need, (p, Partial(), Partial())
+    return {a: R for a in tensors(node)}, (R, R, R)
+
+
+register(aten.sum.dim_IntList, aten.sum.default, rule=sum_)
+register(aten.mean.dim, rule=mean)
+register(aten._softmax.default, aten._log_softmax.default, rule=softmax)
+register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default, rule=softmax_backward)
+register(aten.native_layer_norm.default, rule=layer_norm)
+register(aten.native_layer_norm_backward.default, rule=layer_norm_backward)

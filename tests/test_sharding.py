@@ -1,0 +1,99 @@
+"""Sharding propagation over the joint graph (issue 22's engine): placements per op family and the
+collectives the tensor-parallel plan needs, read off the captured single-device step."""
+
+import fnmatch
+
+import pytest
+import torch
+
+from test_graph import captured
+from shardwise.capture import forward_nodes
+from shardwise.sharding import Partial, Replicate, Shard
+from shardwise.sharding.propagate import ShardingError, propagate
+from shardwise.sharding.rules.views import reshape_map
+
+aten = torch.ops.aten
+MEGATRON_LLAMA = {"*.wq.weight": Shard(0), "*.wk.weight": Shard(0), "*.wv.weight": Shard(0),
+                  "*.w1.weight": Shard(0), "*.w3.weight": Shard(0), "*.wo.weight": Shard(1), "*.w2.weight": Shard(1)}
+
+
+def seeded(cap, plan: dict):
+    phs = cap.gm.graph.find_nodes(op="placeholder")[: cap.n_params]
+    seeds = {ph: next((p for g, p in plan.items() if fnmatch.fnmatch(n, g)), Replicate())
+             for ph, n in zip(phs, cap.param_names)}
+    outputs = [Replicate()] + [seeds[ph] for ph, t in zip(phs, cap.trainable) if t]
+    return seeds, outputs
+
+
+def test_megatron_plan_needs_two_all_reduces_per_layer_each_way():
+    # column-parallel q, k, v, w1, w3 (output dim), row-parallel wo, w2 (input dim): per layer one
+    # all-reduce after each row-parallel product in the forward, one of each sub-block's input
+    # gradient in the backward, and nothing else (Megatron's count)
+    m, cap = captured("llama")
+    seeds, outputs = seeded(cap, MEGATRON_LLAMA)
+    plan = propagate(cap.gm, seeds, 2, outputs=outputs)
+    colls = plan.collectives()
+    assert {c.kind for c in colls} == {"all_reduce"}
+    fwd = forward_nodes(cap.gm)
+    layers = m.cfg.n_layer
+    assert sum(c.node in fwd for c in colls) == 2 * layers and sum(c.node not in fwd for c in colls) == 2 * layers
+    # heads split: the attention runs on the ranks' heads; the gradients leave as the weights' shards
+    sdpa = [n for n in cap.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa and all(plan.placements[n][0] == Shard(1) for n in sdpa)
+    out = cap.gm.graph.find_nodes(op="output")[0]
+    for g, want in zip(out.args[0], outputs):
+        assert plan.placements[g] == want or any(c.arg is g for c in colls)
+
+
+def test_a_replicated_plan_needs_no_collective():
+    _, cap = captured("llama")
+    seeds, outputs = seeded(cap, {})
+    plan = propagate(cap.gm, seeds, 2, outputs=outputs)
+    assert plan.collectives() == [] and set(plan.placements.values()) >= {Replicate()}
+
+
+@pytest.mark.parametrize("src,dst,d,want", [((4, 6), (2, 2, 6), 0, 0), ((6, 8), (6, 2, 4), 1, 1),
+                                            ((2, 4, 8), (8, 8), 0, 0), ((2, 4, 8), (8, 8), 1, None),
+                                            ((2, 1, 16), (2, 16), 2, 1), ((32, 32), (2, 16, 4, 8), 1, 2)])
+def test_a_view_moves_a_shard_to_the_outer_factor(src, dst, d, want):
+    assert reshape_map(src, dst, d) == want
+
+
+def _mm(pa, pb, shape_a=(4, 8), shape_b=(8, 6)):
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["val"], b.meta["val"] = torch.empty(shape_a), torch.empty(shape_b)
+    y = g.call_function(aten.mm.default, (a, b))
+    y.meta["val"] = torch.empty(shape_a[0], shape_b[1])
+    g.output([y])
+    plan = propagate(torch.fx.GraphModule(torch.nn.Module(), g), {a: pa, b: pb}, 2)
+    return plan.placements[y], [(r.arg.name, r.kind) for r in plan.reshards]
+
+
+def test_products_follow_their_einsum():
+    assert _mm(Replicate(), Shard(1)) == (Shard(1), [])  # column-parallel
+    assert _mm(Shard(1), Shard(0)) == (Partial(), [])  # row-parallel: partial sums
+    assert _mm(Shard(0), Replicate()) == (Shard(0), [])  # the rows' shard
+    assert _mm(Shard(1), Replicate()) == (Partial(), [("b", "slice")])  # the replicated operand's slice
+    assert _mm(Shard(0), Shard(1)) == (Shard(0), [("b", "all_gather")])
+
+
+def test_an_op_without_a_rule_is_an_error_naming_it():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    y = g.call_function(aten.topk.default, (x, 2))
+    y.meta["val"] = (torch.empty(4, 2), torch.empty(4, 2, dtype=torch.long))
+    g.output([y])
+    with pytest.raises(ShardingError, match=r"no sharding rule for aten\.topk\.default \(node topk_default, inputs placed "
+                                            r"\{'x': 'S\(1\)'\}\)"):
+        propagate(torch.fx.GraphModule(torch.nn.Module(), g), {x: Shard(1)}, 2)
+
+
+def test_a_shard_the_ranks_do_not_divide_is_an_error_naming_the_sizes():
+    _, cap = captured("llama")
+    seeds, outputs = seeded(cap, MEGATRON_LLAMA)
+    names = dict(zip(cap.gm.graph.find_nodes(op="placeholder"), cap.param_names))
+    with pytest.raises(ShardingError, match=r"blocks\.0\.attn\.wq\.weight .* of shape \(32, 32\) would be sharded on "
+                                            r"dim 0 over 3 ranks, which do not divide its 32"):
+        propagate(cap.gm, seeds, 3, outputs=outputs, names=names)
