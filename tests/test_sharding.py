@@ -97,3 +97,40 @@ def test_a_shard_the_ranks_do_not_divide_is_an_error_naming_the_sizes():
     with pytest.raises(ShardingError, match=r"blocks\.0\.attn\.wq\.weight .* of shape \(32, 32\) would be sharded on "
                                             r"dim 0 over 3 ranks, which do not divide its 32"):
         propagate(cap.gm, seeds, 3, outputs=outputs, names=names)
+
+
+def test_megatron_pairs_are_found_from_the_graph():
+    # from the graph alone: q, k, v and w1, w3 column-parallel; wo and w2 row-parallel; the embedding
+    # and the LM head whole (the head pairs with no second product)
+    from shardwise.passes.tp import megatron_plan
+
+    _, cap = captured("llama")
+    plan = megatron_plan(cap)
+    want = {n: p for n in cap.param_names for g, p in MEGATRON_LLAMA.items() if fnmatch.fnmatch(n, g)}
+    assert plan == want
+    # GPT-2's fused QKV would be split along its shard by the q/k/v split: that pair is left whole,
+    # the MLP's is split (with the column-parallel bias)
+    _, cap = captured("gpt")
+    plan = megatron_plan(cap)
+    assert plan["blocks.0.fc.weight"] == Shard(0) and plan["blocks.0.fc.bias"] == Shard(0)
+    assert plan["blocks.0.out.weight"] == Shard(1) and not any("qkv" in n or "proj" in n for n in plan)
+
+
+def test_the_partitioned_llama_step_runs_on_local_shards():
+    # the tp-local step: shards of the split weights as inputs and gradients, the heads halved, the
+    # all-reduces of the plan on the tp group and nothing else
+    from shardwise.passes.tp import partition
+    from shardwise.sharding.collective import collective_of
+
+    _, cap = captured("llama")
+    local, prop = partition(cap, MEGATRON_LLAMA, 2, "tp-group")
+    shapes = dict(zip(cap.param_names, local.param_shapes))
+    assert shapes["blocks.0.attn.wq.weight"] == (16, 32) and shapes["blocks.0.attn.wo.weight"] == (32, 16)
+    assert shapes["blocks.0.ffn.w2.weight"] == (32, 24) and shapes["tok.weight"] == (64, 32)
+    colls = [collective_of(n) for n in local.gm.graph.nodes if collective_of(n)]
+    assert len(colls) == 8 and {(c.kind, c.axis, c.ranks) for c in colls} == {("all_reduce", "tp", 2)}
+    out = local.gm.graph.find_nodes(op="output")[0].args[0]
+    grads = dict(zip([n for n, t in zip(cap.param_names, cap.trainable) if t], out[1:]))
+    assert tuple(grads["blocks.0.attn.wq.weight"].meta["val"].shape) == (16, 32)
+    sdpa = next(n for n in local.gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    assert tuple(sdpa.meta["val"][0].shape) == (2, 2, 16, 8)  # 4 heads, 2 on this rank

@@ -43,6 +43,9 @@ class Capture:
     param_shapes: list[torch.Size] = field(default_factory=list)
     param_dtype: torch.dtype | None = None
     """dtype the parameters were traced with (the compute dtype)."""
+    rank_inputs: list[str] = field(default_factory=list)
+    """Inputs after the batch's whose values differ by rank (a tensor-parallel rank's indices into a
+    dim it slices: passes/tp.py), named ``tp_index_<size>``; the runtime supplies them."""
 
     @property
     def n_params(self) -> int:

@@ -94,6 +94,12 @@ def check_divisible(node: fx.Node, p, ranks: int, names: dict | None = None) -> 
                             f"size that divides it, or replicate the parameter feeding it in the tp plan")
 
 
+def replicated(node: fx.Node, place, ranks: int):
+    """An op every input of which is whole: its outputs are whole too."""
+    v = node.meta.get("val")
+    return {}, (tuple(R for _ in v) if isinstance(v, (list, tuple)) else R)
+
+
 def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None = None,
               names: dict | None = None) -> Propagation:
     """Place every node of ``gm`` on an axis of ``ranks`` ranks from ``seeds`` (placeholder -> placement);
@@ -111,6 +117,8 @@ def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None 
             check_divisible(n, pl[n], ranks, names)
         elif n.op == "call_function":
             rule = info(n.target).rule
+            if rule is None and all(place(a) == R for a in n.all_input_nodes):
+                rule = replicated  # any op runs as it is on whole values
             if rule is None:
                 if not is_pointwise(n):
                     got = {a.name: str(place(a)) for a in n.all_input_nodes}

@@ -1,0 +1,254 @@
+"""Tensor parallelism: the captured single-device step partitioned over the tp axis of the mesh.
+
+The plan seeds parameters' placements (``tp_plan``); propagation places every other value of the
+joint graph (sharding/propagate.py); this pass then makes the program each tp rank runs:
+
+1. ``addmm`` becomes ``mm`` + ``add`` first, so that a row-parallel product's partial sum is reduced
+   before its bias is added once;
+2. each value a reader needs in another placement gets its collective on the tp group, right after
+   the value is made: P→R all-reduce, S→R all-gather, P→S reduce-scatter; R→S is this rank's slice,
+   taken with ``index_select`` on an input that holds this rank's indices (``Capture.rank_inputs``),
+   so that every rank runs the same code;
+3. every size an op was traced with (views, expands) becomes the local one, and the values are traced
+   again on local fake inputs.
+
+The result is a Capture of the tp-local step, its parameters the tp shards, which the data-parallel
+strategy passes then shard as they would a single device's (ZeRO-3 shards the tp shard over dp).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import math
+
+import torch
+import torch.fx as fx
+
+from ..capture import Capture
+from ..sharding import Partial, Replicate, Shard
+from ..sharding.propagate import Propagation, propagate
+from . import emit
+
+aten = torch.ops.aten
+_SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+
+
+def seeds_of(cap: Capture, plan: dict) -> dict[str, object]:
+    """Each parameter's placement on the tp axis from ``plan`` ({name glob: placement}, the first glob
+    that matches wins; the rest replicated). A glob that names no parameter is an error."""
+    out = {}
+    for g in plan:
+        if not any(fnmatch.fnmatch(n, g) for n in cap.param_names):
+            raise ValueError(f"tp_plan: {g!r} names no parameter of the model (some of them: "
+                             f"{', '.join(cap.param_names[:6])}, ...)")
+    for n in cap.param_names:
+        out[n] = next((p for g, p in plan.items() if fnmatch.fnmatch(n, g)), Replicate())
+    return out
+
+
+def local_shape(shape, p, ranks: int) -> list[int]:
+    s = list(shape)
+    if isinstance(p, Shard):
+        s[p.dim] //= ranks
+    return s
+
+
+def _decompose_addmm(g: fx.Graph) -> None:
+    for n in list(g.nodes):
+        if n.target is aten.addmm.default and not n.kwargs:
+            bias, a, b = n.args
+            with g.inserting_before(n):
+                mm = emit.node(g, aten.mm.default, (a, b), n.meta["val"])
+                add = emit.node(g, aten.add.Tensor, (mm, bias), n.meta["val"])
+            n.replace_all_uses_with(add)
+            g.erase_node(n)
+
+
+def partition(cap: Capture, plan: dict, ranks: int, group: str) -> tuple[Capture, Propagation]:
+    """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``.
+    Returns (its Capture, the propagation it was made from)."""
+    gm = copy.deepcopy(cap.gm)
+    g = gm.graph
+    _decompose_addmm(g)
+    phs = g.find_nodes(op="placeholder")
+    params = dict(zip(phs[: cap.n_params], cap.param_names))
+    by_name = seeds_of(cap, plan)
+    seeds = {ph: by_name[name] for ph, name in params.items()}
+    grads = [ph for ph, t in zip(params, cap.trainable) if t]
+    outputs = [Replicate()] + [seeds[ph] for ph in grads]
+    prop = propagate(gm, seeds, ranks, outputs, names=params)
+    pl = prop.placements
+    index_inputs: dict[int, fx.Node] = {}
+
+    def index_of(d_size: int) -> fx.Node:
+        """The input holding this rank's indices into a dim of ``d_size`` (made once per size)."""
+        if d_size not in index_inputs:
+            last = g.find_nodes(op="placeholder")[-1]
+            with g.inserting_before(last.next):
+                ph = g.placeholder(f"tp_index_{d_size}")
+            ph.meta["val"] = emit.fake([d_size // ranks], torch.long, _device(phs))
+            index_inputs[d_size] = ph
+        return index_inputs[d_size]
+
+    # the collectives, one per value and placement it is moved to, right after the value is made
+    for r in prop.collectives():
+        readers = [x.node for x in prop.reshards if x.arg is r.arg and x.dst == r.dst]
+        at = r.arg if r.arg.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
+        with g.inserting_before(at.next):
+            new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of)
+        for u in readers:
+            u.replace_input_with(r.arg, new)
+        pl[new] = r.dst
+    # local sizes where ops were traced with the whole ones
+    for n in g.nodes:
+        if n.op == "call_function" and n.target in _SIZED and isinstance(pl.get(n), Shard):
+            n.args = (n.args[0], local_shape(n.args[1], pl[n], ranks), *n.args[2:])
+        elif n.target is aten.embedding_dense_backward.default and pl.get(n) == Shard(0):
+            n.args = (n.args[0], n.args[1], n.args[2] // ranks, *n.args[3:])
+    # the inputs' local values, and every value traced again on them
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = []
+    for ph in g.find_nodes(op="placeholder"):
+        v = ph.meta["val"]
+        shape = local_shape(v.shape, pl.get(ph, Replicate()), ranks)
+        fakes.append(mode.from_tensor(torch.empty_strided(shape, _strides(shape), dtype=v.dtype, device=v.device)))
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    local = dataclasses.replace(cap, gm=gm, param_shapes=[torch.Size(local_shape(s, by_name[n], ranks))
+                                                           for n, s in zip(cap.param_names, cap.param_shapes)],
+                                rank_inputs=[ph.name for ph in index_inputs.values()])
+    return local, prop
+
+
+def _device(phs):
+    return next((p.meta["val"].device for p in phs if isinstance(p.meta.get("val"), torch.Tensor)), "cpu")
+
+
+def _strides(shape):
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(st))
+
+
+def _reshard(g, x, src, dst, ranks, group, index_of):
+    """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis."""
+    v = x.meta["val"]
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, "fwd", axis="tp")
+        return emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
+                                   list(v.shape), v.dtype, v.device, c)
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return _gather(g, x, src.dim, ranks, group)
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        idx = index_of(v.shape[dst.dim])
+        return emit.node(g, aten.index_select.default, (x, dst.dim, idx),
+                         emit.fake(local_shape(v.shape, dst, ranks), v.dtype, v.device))
+    raise NotImplementedError(f"tp: moving {x.name} from {src} to {dst} is not built yet")
+
+
+def _gather(g, x, d, ranks, group):
+    """All-gather of a shard on dim ``d``: the shards meet along dim 0, so another dim is moved there
+    first and back after."""
+    v = x.meta["val"]  # the global value: local along d
+    local = local_shape(v.shape, Shard(d), ranks)
+    perm = [d] + [i for i in range(len(local)) if i != d]
+    y = x if d == 0 else emit.node(g, aten.permute.default, (x, perm),
+                                   emit.fake([local[i] for i in perm], v.dtype, v.device))
+    y = emit.contiguous(g, y)
+    moved = [local[i] for i in perm]
+    full = [moved[0] * ranks, *moved[1:]]
+    c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, "fwd", axis="tp")
+    out = emit.start_and_wait(g, emit.c10d.all_gather_into_tensor.default, (y, ranks, group), full, v.dtype,
+                              v.device, c)
+    if d == 0:
+        return out
+    back = [perm.index(i) for i in range(len(perm))]
+    return emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device))
+
+
+def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
+    """Megatron's pairs, found from the graph (module names play no part). A product of activations by
+    a weight starts a column-parallel region; the region grows through every forward op that is not a
+    reduction, a norm, a loss or a lookup and whose activation inputs all lie in it (RoPE's tables and
+    the weights are constants: any op may read them); a product whose activation operand lies in a
+    region is row-parallel, and ends it. The region's products' weights split along their output dim,
+    the row-parallel ones' along their input dim; products that end in no row-parallel one stay whole
+    (the LM head), and so does a pair whose region would need a gather between its products (a fused
+    QKV split along the shard: GPT-2's), found by propagating the plan."""
+    from ..capture import forward_nodes
+    from ..sharding.propagate import propagate as place_all
+
+    gm = copy.deepcopy(cap.gm)
+    g = gm.graph
+    _decompose_addmm(g)
+    phs = g.find_nodes(op="placeholder")
+    names = dict(zip(phs[: cap.n_params], cap.param_names))
+    batch = set(phs[cap.n_params + len(cap.buffer_names):])
+    fwd = forward_nodes(gm)
+    activation = set(batch)
+    for n in g.nodes:
+        if n.op == "call_function" and any(a in activation for a in n.all_input_nodes):
+            activation.add(n)
+    linear = {}  # product node -> (weight name, the weight's dim that is the product's output dim)
+    for n in g.nodes:
+        if n in fwd and n.target is aten.mm.default:
+            out_dim, w = 1, n.args[1]
+            while w.op == "call_function" and w.target in (aten.t.default, aten.transpose.int):
+                out_dim, w = 1 - out_dim, w.args[0]
+            if w in names and w.meta["val"].dim() == 2:
+                linear[n] = (names[w], out_dim)
+    stop = (aten.sum.dim_IntList, aten.mean.dim, aten.native_layer_norm.default, aten._log_softmax.default,
+            aten._softmax.default, aten.embedding.default, aten.nll_loss_forward.default)
+    region: dict[fx.Node, frozenset] = {}  # node -> the column-parallel products whose region holds it
+    rows: dict[fx.Node, frozenset] = {}
+    for n in g.nodes:
+        if n not in fwd or n.op != "call_function":
+            continue
+        if n in linear:
+            x = n.args[0]
+            if x in region:
+                rows[n] = region[x]
+            else:
+                region[n] = frozenset([n])
+            continue
+        acts = [a for a in n.all_input_nodes if a in activation]
+        if n.target not in stop and acts and all(a in region for a in acts):
+            region[n] = frozenset().union(*(region[a] for a in acts))
+    plan: dict[str, object] = {}
+    # a column-parallel product's bias (the add right after it) splits with its output
+    bias = {n.args[0]: names[n.args[1]] for n in g.nodes if n.target is aten.add.Tensor and n.args[0] in linear
+            and isinstance(n.args[1], fx.Node) and n.args[1] in names and n.args[1].meta["val"].dim() == 1}
+
+    def add(row, cols):
+        for c in cols:
+            plan[linear[c][0]] = Shard(linear[c][1])
+            if c in bias and linear[c][1] == 0:
+                plan[bias[c]] = Shard(0)
+        plan[linear[row][0]] = Shard(1 - linear[row][1])
+
+    for row, cols in rows.items():
+        add(row, cols)
+    # a pair the propagation cannot keep local between its products is dropped (left whole)
+    for _ in range(len(rows)):
+        seeds = {ph: plan.get(names[ph], Replicate()) for ph in names}
+        prop = place_all(gm, seeds, ranks)
+        bad = {r.node for r in prop.collectives() if r.kind != "all_reduce" and r.node in fwd}
+        drop = [row for row, cols in rows.items() if any(region.get(b, frozenset()) & cols for b in bad)]
+        if not drop:
+            break
+        for row in drop:
+            for c in (row, *rows.pop(row)):
+                plan.pop(linear[c][0], None)
+                plan.pop(bias.get(c), None)
+        for row, cols in rows.items():
+            add(row, cols)
+    return plan
