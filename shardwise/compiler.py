@@ -21,9 +21,13 @@ from .passes.carveout import choose as carveout_settings
 from .runtime.executor import Compiled, executable
 
 
-def rank_free(code: str) -> str:
-    """Graph code without device indices: rank r runs the same plan on ``cuda:r``."""
+def rank_free(code: str, groups: dict[str, str] | None = None) -> str:
+    """Graph code without device indices (rank r runs the same plan on ``cuda:r``) and with each
+    process group named by its mesh axis (``groups``: group name -> axis): the ranks of other dp or
+    tp lines run the same plan over their own groups."""
     code = re.sub(r"device\(type='(\w+)', index=\d+\)", r"device(type='\1')", code)
+    for name, axis in (groups or {}).items():
+        code = code.replace(repr(name), f"<{axis}>")
     return re.sub(r"'(cuda|xpu|hpu):\d+'", r"'\1'", code)
 
 
@@ -67,14 +71,56 @@ def pass_context(config: JobConfig, model, dp: int, group: str, backend: str, de
     return ctx
 
 
+class TensorParallelAxis:
+    """The mesh's tp axis as the compiler partitions for it: its ranks, this rank's coordinate, its
+    group, the plan asked for (``tp_plan``) and, once the first step is captured, each parameter's
+    placement on it."""
+
+    def __init__(self, ranks: int, rank: int, group, plan):
+        self.ranks, self.rank, self.group, self.plan = ranks, rank, group, plan
+        self.placements: dict | None = None
+        self._index: dict[str, object] = {}
+
+    def rank_input(self, name: str, device):
+        """The value of a rank input of a tp-local program (passes/tp.py): ``tp_index_<size>`` is this
+        rank's indices into a dim of that size."""
+        import torch
+
+        if name not in self._index:
+            k = int(name.rsplit("_", 1)[1]) // self.ranks
+            self._index[name] = torch.arange(self.rank * k, (self.rank + 1) * k, device=device)
+        return self._index[name]
+
+
+NOT_WITH_TP = ("offload_optimizer", "overlap_update", "memory_budget", "keep_gathered", "offload_activations")
+"""Options that do not compose with tensor parallelism yet."""
+
+
+def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
+    """The job's tp axis, or None where the mesh has none; options that do not compose with it yet refused."""
+    ranks = mesh.size("tp")
+    if ranks == 1:
+        if config.tp_plan is not None:
+            raise ValueError("tp_plan applies to a mesh with a tp axis, e.g. sw.mesh(dp=2, tp=2)")
+        return None
+    groups = {"offload_optimizer": config.offload, "overlap_update": config.update, "memory_budget": config.memory,
+              "keep_gathered": config.memory, "offload_activations": config.memory}
+    for name in NOT_WITH_TP:
+        if getattr(groups[name], name) not in (None, False):
+            raise ValueError(f"{name} does not compose with tensor parallelism yet (mesh tp={ranks}): leave it "
+                             "off, or use a mesh of dp alone")
+    return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), config.tp_plan or "megatron")
+
+
 class Compiler:
     """Compiled programs of one job, by ``(batch signature, mode)``."""
 
     def __init__(self, model, strategy: str, ctx: ShardContext, agree, plan, device, param_dtype, loss_fn=None,
-                 inductor: bool = False):
+                 inductor: bool = False, tp: TensorParallelAxis | None = None, on_tp_plan=None):
         self.model, self.strategy, self.ctx = model, strategy, ctx
         self.agree, self.plan, self.device = agree, plan, device
         self.param_dtype, self.loss_fn, self.inductor = param_dtype, loss_fn, inductor
+        self.tp, self.on_tp_plan = tp, on_tp_plan
         self.programs: dict[tuple, Compiled] = {}
         self.replanned: dict[tuple, Compiled] = {}
         """Programs of a plan being made again (a budget's check): kept where the new plan is the same."""
@@ -112,11 +158,25 @@ class Compiler:
             return self.ctx
         return dataclasses.replace(self.ctx, graph_budget=share[0], reserve=share[1])
 
+    def _partition(self, cap):
+        """The tp-local step (passes/tp.py); the first one fixes the plan every later one follows."""
+        from .passes import tp as tp_pass
+
+        tp = self.tp
+        placements = tp.placements
+        if placements is None:
+            plan = tp_pass.megatron_plan(cap, tp.ranks) if tp.plan == "megatron" else tp.plan
+            placements = tp_pass.seeds_of(cap, plan, tp.ranks)
+        return tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name)[0], placements
+
     def _compile(self, key, batch, tensors, mode: str) -> None:
         train = mode != "eval"
         try:
             cap = capture_step(self.model, batch, loss_fn=self.loss_fn, param_dtype=self.param_dtype, train=train,
                                with_grads=train, device=self.device)
+            placements = None
+            if self.tp is not None:
+                cap, placements = self._partition(cap)
             prog = shard_step(cap, self.strategy, self._context(tensors, train), "step" if mode == "eval" else mode)
         except Exception as e:
             # tell the other ranks before raising, so that none waits for this one in a collective;
@@ -128,10 +188,15 @@ class Compiler:
             raise
         # the captured single-device graph and the final plan (the rewritten, bucketed, scheduled
         # program, whose node order is the order of collectives) must be the same on every rank
-        cap_hash = hashlib.sha256(rank_free(prog.capture.gm.code).encode()).hexdigest()[:16]
-        plan_hash = hashlib.sha256(rank_free(prog.gm.code).encode()).hexdigest()[:16]
+        groups = {self.ctx.group: "dp", **({self.tp.group.group_name: "tp"} if self.tp else {})}
+        cap_hash = hashlib.sha256(rank_free(prog.capture.gm.code, groups).encode()).hexdigest()[:16]
+        plan_hash = hashlib.sha256(rank_free(prog.gm.code, groups).encode()).hexdigest()[:16]
         self.agree.same(f"capture {cap_hash} plan {plan_hash}", "graph")
         prog.hashes = {"capture": cap_hash, "plan": plan_hash}
+        if placements is not None and self.tp.placements is None:
+            # the first program compiled on every rank: the state takes its tp shards only now, so
+            # a refused job leaves the model whole
+            self.on_tp_plan(placements)
         old = self.replanned.pop(key, None)
         if old is not None and old.program.hashes == prog.hashes:
             # the plan made again is the same program (hashes agreed on every rank, so every rank

@@ -177,6 +177,11 @@ class JobConfig:
     link_profile: object = None
     """The link the cost model times collectives on: a preset name, a JSON file from ``shardwise calibrate``
     or a ``LinkProfile``; None: the preset of the backend."""
+    tp_plan: str | dict | None = None
+    """Where the mesh has a tp axis: ``"megatron"`` (the default there: column/row-parallel pairs found
+    from the graph, passes/tp.py) or ``{parameter-name glob: sw.Shard(dim) | sw.Replicate()}``."""
+    sequence_parallel: bool = False
+    """Shard the activations between the tensor-parallel regions along the sequence (being built)."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -192,6 +197,17 @@ class JobConfig:
             raise ValueError("overlap_update is built for zero3 with the optimizer state on the device "
                              f"(strategy={self.strategy!r}, offload_optimizer={off!r}); offload_optimizer "
                              "overlaps its own update (offload_overlap)")
+        if self.tp_plan is not None and self.tp_plan != "megatron" and not isinstance(self.tp_plan, dict):
+            raise ValueError(f"tp_plan must be 'megatron' or a dict of parameter-name globs to sw.Shard(dim) or "
+                             f"sw.Replicate(), got {self.tp_plan!r}")
+        if isinstance(self.tp_plan, dict):
+            from .sharding import Replicate, Shard
+
+            bad = {k: v for k, v in self.tp_plan.items() if not isinstance(v, (Shard, Replicate))}
+            if bad:
+                raise ValueError(f"tp_plan: each placement must be sw.Shard(dim) or sw.Replicate(), got {bad}")
+        if self.sequence_parallel:
+            raise ValueError("sequence_parallel=True is being built (issue 22): leave it off for now")
         if self.memory.keep_gathered is not None and self.strategy != "zero3":
             raise ValueError(f"keep_gathered applies to zero3 (every parameter is gathered), not {self.strategy}")
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .budget import MemoryPlan, budget_bytes
-from .compiler import Compiler, batch_key, pass_context
+from .compiler import Compiler, batch_key, pass_context, tensor_parallel_axis
 from .config import JobConfig, MemoryOptions, MixedPrecision, OffloadOptions, ScheduleOptions, UpdateOptions
 from .costmodel import CostModel
 from .errors import MeshError
@@ -51,6 +51,8 @@ def compile(
     overlap_update: bool = False,
     matmul_sm_carveout: int | str | None = "auto",
     link_profile=None,
+    tp_plan=None,
+    sequence_parallel: bool = False,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 
@@ -64,7 +66,8 @@ def compile(
     ``shard_bucket_mb``, ``schedule``, ``max_in_flight_mb``, ``max_in_flight_ops``), the memory plan
     (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``, ``offload_activations``),
     optimizer offload (``OffloadOptions``), the update (``UpdateOptions``: ``clip_grad_norm``,
-    ``fused_optimizer``, ``overlap_update``), the SM carveout and the link profile (``JobConfig``).
+    ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and, where ``mesh`` has
+    a tp axis, ``tp_plan`` (``JobConfig``).
     README.md says what each does and what it measured.
 
     Example::
@@ -87,7 +90,8 @@ def compile(
                                offload_overlap=offload_overlap, offload_host_update=offload_host_update),
         update=UpdateOptions(clip_grad_norm=clip_grad_norm, fused_optimizer=fused_optimizer,
                              overlap_update=overlap_update),
-        matmul_sm_carveout=matmul_sm_carveout, link_profile=link_profile)
+        matmul_sm_carveout=matmul_sm_carveout, link_profile=link_profile, tp_plan=tp_plan,
+        sequence_parallel=sequence_parallel)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is None:
@@ -103,14 +107,15 @@ class Job:
 
     def __init__(self, model: nn.Module, optimizer: Callable, mesh: Mesh, config: JobConfig):
         for axis, n in mesh.shape.items():
-            if axis != "dp" and n > 1:
-                raise MeshError(f"mesh axis {axis}={n}: this version shards the data-parallel axis only; "
-                                f"use a mesh of dp alone (tensor and expert parallelism are being built)")
+            if axis not in ("dp", "tp") and n > 1:
+                raise MeshError(f"mesh axis {axis}={n}: this version shards the dp and tp axes; expert "
+                                "parallelism is being built")
         self.model, self.mesh, self.config, self.strategy = model, mesh, config, config.strategy
         dp, group = mesh.size("dp"), mesh.group("dp")
         self.group = group
         backend = dist.get_backend(group)
-        self.agree = Agreement(group)
+        self.agree = Agreement(dist.group.WORLD)
+        self.tp = tensor_parallel_axis(mesh, config)
         dev = mesh.device
         self.cost = CostModel.for_job(config.link_profile, dev.type, backend,
                                       torch.cuda.get_device_name(dev) if dev.type == "cuda" else "",
@@ -122,31 +127,49 @@ class Job:
         if any(d.type != dev.type for d in devs):
             raise ValueError(f"the model's tensors are on {sorted(map(str, devs))} but the mesh runs on {dev}; "
                              f"move the model first: model.to({str(dev)!r})")
-        if dp > 1:  # every rank starts from rank 0's weights and buffers, as DDP does
+        if dist.get_world_size() > 1:  # every rank starts from rank 0's weights and buffers, as DDP does
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
-                    dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
+                    dist.broadcast(t.data, src=0)
         named = list(model.named_parameters())
         self.layouts = layouts_for([n for n, _ in named], [p.shape for _, p in named],
                                    1 if self.strategy == "ddp" else dp)
         self.state = ShardedState(model, self.strategy, self.layouts, mesh.rank("dp"), optimizer, mp.param_dtype,
                                   offload=bool(off.offload_optimizer),
                                   offload_chunk_bytes=int(off.offload_chunk_mb * 2**20),
-                                  offload_overlap=off.offload_overlap, fused=upd.fused_optimizer)
+                                  offload_overlap=off.offload_overlap, fused=upd.fused_optimizer,
+                                  keep_model=self.tp is not None)
         self.buffers = dict(model.named_buffers())
         self.updater = Updater(self.state, dev, group, dp, upd.clip_grad_norm, upd.overlap_update)
-        self.executor = Executor(self.state, self.buffers, dev)
+        self.executor = Executor(self.state, self.buffers, dev, self.tp.rank_input if self.tp else None)
         self.plan = MemoryPlan(self.state, self.buffers, self.cost, self.agree, self.updater, dev, group, dp,
                                budget_bytes(mem.memory_budget, dev), off.offload_optimizer == "all",
                                off.offload_host_update, lambda: self.compiler.step_programs())
         self.compiler = Compiler(model, self.strategy, self.ctx, self.agree, self.plan, dev, mp.param_dtype,
-                                 config.loss_fn, inductor=config.executor == "inductor")
+                                 config.loss_fn, inductor=config.executor == "inductor", tp=self.tp,
+                                 on_tp_plan=self._shard_tp)
         self.node_times: dict[tuple, dict[str, float]] = {}
         """Measured seconds per node of a program (``profile_compute``), by (batch signature, mode)."""
         self.steps = 0
         self.last_comm_bytes = 0
         """Bytes this rank sent in the last step."""
         self.last_step_s: float | None = None
+
+    def _shard_tp(self, placements: dict) -> None:
+        """The tensor-parallel plan is known (from the first captured step): the state is made again
+        from the model's whole weights, this rank's tp shard of each split one, into the same
+        optimizer (its groups, hyperparameters and schedulers kept; it has taken no step yet)."""
+        from .runtime.state import TensorParallel
+
+        tp, named = self.tp, list(self.model.named_parameters())
+        tp.placements = placements
+        state = TensorParallel(placements, tp.ranks, tp.rank, tp.group)
+        shapes = [state.local(n, p).shape for n, p in named]
+        self.layouts = layouts_for([n for n, _ in named], shapes, 1 if self.strategy == "ddp" else self.mesh.dp)
+        self.state = ShardedState(self.model, self.strategy, self.layouts, self.mesh.rank("dp"), None,
+                                  self.config.mixed_precision.param_dtype, tp=state, reuse=self.state)
+        for part in (self.executor, self.updater, self.plan):
+            part.state = self.state
 
     # -- training ------------------------------------------------------------------------------
 
@@ -205,7 +228,7 @@ class Job:
         Parameters are gathered one at a time onto the CPU, so the whole model is never on one device.
         """
         self.updater.drain()
-        keep = not rank0_only or self.mesh.rank("dp") == 0
+        keep = not rank0_only or dist.get_rank() == 0
         return self.state.full_state_dict(self.model, self.group, self.mesh.size("dp"), keep)
 
     # -- programs ------------------------------------------------------------------------------

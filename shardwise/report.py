@@ -98,12 +98,14 @@ def explain(job) -> str:
                     lines.append(f"  host update: {len(st.host)} parameters, {st.host_elements() / 1e6:.1f} M "
                                  f"elements on the host's cores ({rate}); predicted update "
                                  f"{st.update_time(hl) * 1e3:.2f} ms")
-        lines.append(f"  {'collective':15s} {'phase':5s} {'sent/rank':>10s} {'pred µs':>9s}  param(s)")
+        lines.append(f"  {'collective':15s} {'axis':2s} {'phase':5s} {'sent/rank':>10s} {'pred µs':>9s}  param(s)")
         for n in prog.collective_nodes():
             c = collective_of(n)
-            lines.append(f"  {c.kind:15s} {c.phase:5s} {c.sent_bytes / 1024:8.1f}KiB {job.cost.comm_time(n) * 1e6:9.1f}  "
-                         f"{c.label[:60]}")
-    lines.append("placements (dp axis) and memory decisions:")
+            lines.append(f"  {c.kind:15s} {c.axis:2s} {c.phase:5s} {c.sent_bytes / 1024:8.1f}KiB "
+                         f"{job.cost.comm_time(n) * 1e6:9.1f}  {c.label[:60]}")
+    tp = job.state.tp
+    lines.append("placements (dp axis" + (", tp axis: local shape and placement" if tp else "")
+                 + ") and memory decisions:")
     kept = set(job.ctx.keep_gathered)
     for prog in job.programs():
         kept |= set(prog.unsharded or ())
@@ -117,5 +119,7 @@ def explain(job) -> str:
             what.append("master+optimizer state on the device" if n in st.resident
                         else "master+optimizer state on host, updated on the host" if n in st.host
                         else "master+optimizer state on host, streamed")
+        if tp is not None:
+            place += f"  tp {tp.placements.get(n, 'R')}"
         lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
     return "\n".join(lines)

@@ -330,12 +330,14 @@ def loop_reference(name: str, dtype: str, ws: int, steps: int):
         torch.set_num_threads(threads)
 
 
-def loop_run(name: str, strategy: str, dtype: str, steps: int):
+def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = None):
+    """The loop of ``loop_reference`` on a mesh of dp x ``tp`` ranks (a tp group takes its dp rank's batches)."""
     from shardwise.recipes import cosine_with_warmup
 
-    rank = dist.get_rank()
     model = make_model(name, dtype)
-    job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=sw.mesh(), clip_grad_norm=LOOP["clip"])
+    mesh = sw.mesh(tp=tp)
+    rank = mesh.rank("dp")
+    job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=mesh, clip_grad_norm=LOOP["clip"])
     sched = cosine_with_warmup(job.optimizer, LOOP["warmup"], steps)
     k = LOOP["micro"]
     losses, norms = [], []
@@ -529,3 +531,51 @@ def predicted_peak(**kw):
     b = make_batch("llama", 0, dist.get_rank())
     host = 3 * sum(t.numel() * t.element_size() for t in job.state.master.values())
     return job.predict_memory(b)["peak"], host
+
+
+# -- tensor parallelism (issue 22) ---------------------------------------------------------------
+
+def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int = 1, over: tuple = (), **compile_kw):
+    """Train on a mesh of dp x ``tp`` ranks; the ranks of one tp group take their dp rank's batches.
+    Returns (losses, full_state_dict on rank 0, what rank 0's step program holds: its collectives by
+    axis and phase, its parameters' local shapes, ``explain``)."""
+    from collections import Counter
+
+    from shardwise.sharding.collective import collective_of
+
+    model = make_model(name, dtype, **dict(over))
+    mesh = sw.mesh(tp=tp)
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh, **compile_kw)
+    d = mesh.rank("dp")
+    losses = []
+    for s in range(steps):
+        mbs = [make_batch(name, s * micro + m, d) for m in range(micro)]
+        losses.append(float(job.step(mbs if micro > 1 else mbs[0])))
+    sd = job.full_state_dict()
+    prog = job.programs()[0]
+    cs = [collective_of(n) for n in prog.collective_nodes()]
+    info = {"tp": prog.counts("tp"), "dp": prog.counts("dp"),
+            "phases": Counter((c.axis, c.kind, c.phase) for c in cs),
+            "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
+            "explain": job.explain()}
+    return losses, sd, info
+
+
+def tp_refused(plan: dict):
+    """A tp job whose plan is refused at its first step: (the error, the model left whole?)."""
+    model = make_model("llama", "fp64")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    job = sw.compile(model, optimizer=adamw, strategy="zero3", mesh=sw.mesh(tp=2), tp_plan=plan)
+    try:
+        job.step(make_batch("llama", 0, 0))
+    except ValueError as e:
+        err = str(e)
+    else:
+        err = None
+    whole = all(p.device.type != "meta" and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return err, whole
+
+
+def tp_compile_error(kw: dict):
+    """Compile a tp=2 job with options ``kw`` (the test expects a refusal)."""
+    sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(tp=2), **kw)

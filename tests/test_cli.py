@@ -86,7 +86,7 @@ def test_explain_prints_the_plan():
     out = run_cli("explain", "--model", "llama", "--size", "tiny", "--strategy", "zero3", "--nproc", "2",
                   "--link-profile", "nvlink-8gpu")
     assert "link profile: nvlink-8gpu" in out and "predicted step" in out
-    assert "all_gather      fwd" in out and "reduce_scatter  bwd" in out and "S(0)" in out
+    assert "all_gather      dp fwd" in out and "reduce_scatter  dp bwd" in out and "S(0)" in out
     # what the predicted peak holds: its largest tensors by the node that made them
     live = re.search(r"graph peak \+([\d.]+) MiB at \S+\n    live then \(MiB\): (.*)", out)
     assert live, out

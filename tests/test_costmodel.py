@@ -80,10 +80,10 @@ def test_explain_tables_collectives_with_predictions(pools):
     assert "link profile: h200-nv18-x2" in text and "predicted step" in text and "exposed comm" in text
     rows = [line for line in text.splitlines() if line.strip().startswith(("all_gather", "reduce_scatter"))]
     assert len(rows) > 10
-    # every row carries its phase, bytes and a positive predicted time
+    # every row carries its mesh axis, phase, bytes and a positive predicted time
     for r in rows:
-        kind, phase, kib, pred = r.split()[:4]
-        assert phase in ("fwd", "bwd") and float(kib.removesuffix("KiB")) > 0 and float(pred) > 0
+        kind, axis, phase, kib, pred = r.split()[:5]
+        assert axis == "dp" and phase in ("fwd", "bwd") and float(kib.removesuffix("KiB")) > 0 and float(pred) > 0
     assert "blocks.0.attn.wq.weight" in text and "S(0)" in text
 
 

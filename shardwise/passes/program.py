@@ -140,10 +140,13 @@ class Program:
         """Bytes one rank sends per step inside this graph (ring algorithms)."""
         return sum(collective_of(n).sent_bytes for n in self.collective_nodes())
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, axis: str | None = None) -> dict[str, int]:
+        """Collectives of the program by kind; ``axis``: only those over that mesh axis."""
         out = {k: 0 for k in emit.COLLECTIVE_TARGETS.values()}
         for n in self.collective_nodes():
-            out[collective_of(n).kind] += 1
+            c = collective_of(n)
+            if axis is None or c.axis == axis:
+                out[c.kind] += 1
         return out
 
 

@@ -26,7 +26,7 @@ import math
 import torch
 import torch.fx as fx
 
-from ..capture import Capture
+from ..capture import Capture, forward_nodes
 from ..sharding import Partial, Replicate, Shard
 from ..sharding.propagate import Propagation, propagate
 from . import emit
@@ -35,16 +35,22 @@ aten = torch.ops.aten
 _SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
 
 
-def seeds_of(cap: Capture, plan: dict) -> dict[str, object]:
+def seeds_of(cap: Capture, plan: dict, ranks: int = 1) -> dict[str, object]:
     """Each parameter's placement on the tp axis from ``plan`` ({name glob: placement}, the first glob
-    that matches wins; the rest replicated). A glob that names no parameter is an error."""
+    that matches wins; the rest replicated). A glob that names no parameter, or a shard on a dim the
+    parameter lacks or the ``ranks`` do not divide, is an error."""
     out = {}
     for g in plan:
         if not any(fnmatch.fnmatch(n, g) for n in cap.param_names):
             raise ValueError(f"tp_plan: {g!r} names no parameter of the model (some of them: "
                              f"{', '.join(cap.param_names[:6])}, ...)")
-    for n in cap.param_names:
-        out[n] = next((p for g, p in plan.items() if fnmatch.fnmatch(n, g)), Replicate())
+    for n, shape in zip(cap.param_names, cap.param_shapes):
+        g, p = next(((g, p) for g, p in plan.items() if fnmatch.fnmatch(n, g)), (None, Replicate()))
+        if isinstance(p, Shard) and not (-len(shape) <= p.dim < len(shape) and shape[p.dim] % ranks == 0):
+            why = (f"it has {len(shape)} dims" if not -len(shape) <= p.dim < len(shape)
+                   else f"its dim {p.dim} has {shape[p.dim]} entries, which {ranks} tp ranks do not divide")
+            raise ValueError(f"tp_plan: {g!r} -> {p} cannot shard {n} of shape {tuple(shape)}: {why}")
+        out[n] = Shard(p.dim % len(shape)) if isinstance(p, Shard) else p
     return out
 
 
@@ -74,12 +80,13 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str) -> tuple[Capture
     _decompose_addmm(g)
     phs = g.find_nodes(op="placeholder")
     params = dict(zip(phs[: cap.n_params], cap.param_names))
-    by_name = seeds_of(cap, plan)
+    by_name = seeds_of(cap, plan, ranks)
     seeds = {ph: by_name[name] for ph, name in params.items()}
     grads = [ph for ph, t in zip(params, cap.trainable) if t]
     outputs = [Replicate()] + [seeds[ph] for ph in grads]
     prop = propagate(gm, seeds, ranks, outputs, names=params)
     pl = prop.placements
+    fwd = forward_nodes(gm)
     index_inputs: dict[int, fx.Node] = {}
 
     def index_of(d_size: int) -> fx.Node:
@@ -97,7 +104,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str) -> tuple[Capture
         readers = [x.node for x in prop.reshards if x.arg is r.arg and x.dst == r.dst]
         at = r.arg if r.arg.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
         with g.inserting_before(at.next):
-            new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of)
+            new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, "fwd" if r.arg in fwd else "bwd")
         for u in readers:
             u.replace_input_with(r.arg, new)
         pl[new] = r.dst
@@ -139,15 +146,15 @@ def _strides(shape):
     return tuple(reversed(st))
 
 
-def _reshard(g, x, src, dst, ranks, group, index_of):
-    """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis."""
+def _reshard(g, x, src, dst, ranks, group, index_of, phase):
+    """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis, in ``phase`` of the step."""
     v = x.meta["val"]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, "fwd", axis="tp")
+        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp")
         return emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
                                    list(v.shape), v.dtype, v.device, c)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return _gather(g, x, src.dim, ranks, group)
+        return _gather(g, x, src.dim, ranks, group, phase)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         idx = index_of(v.shape[dst.dim])
         return emit.node(g, aten.index_select.default, (x, dst.dim, idx),
@@ -155,7 +162,7 @@ def _reshard(g, x, src, dst, ranks, group, index_of):
     raise NotImplementedError(f"tp: moving {x.name} from {src} to {dst} is not built yet")
 
 
-def _gather(g, x, d, ranks, group):
+def _gather(g, x, d, ranks, group, phase):
     """All-gather of a shard on dim ``d``: the shards meet along dim 0, so another dim is moved there
     first and back after."""
     v = x.meta["val"]  # the global value: local along d
@@ -166,7 +173,7 @@ def _gather(g, x, d, ranks, group):
     y = emit.contiguous(g, y)
     moved = [local[i] for i in perm]
     full = [moved[0] * ranks, *moved[1:]]
-    c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, "fwd", axis="tp")
+    c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, phase, axis="tp")
     out = emit.start_and_wait(g, emit.c10d.all_gather_into_tensor.default, (y, ranks, group), full, v.dtype,
                               v.device, c)
     if d == 0:
@@ -184,7 +191,6 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
     the row-parallel ones' along their input dim; products that end in no row-parallel one stay whole
     (the LM head), and so does a pair whose region would need a gather between its products (a fused
     QKV split along the shard: GPT-2's), found by propagating the plan."""
-    from ..capture import forward_nodes
     from ..sharding.propagate import propagate as place_all
 
     gm = copy.deepcopy(cap.gm)

@@ -57,17 +57,20 @@ def executable(gm: fx.GraphModule, inductor: bool) -> Callable:
 class Executor:
     """Runs one rank's programs on its state (runtime/state.py) and buffers."""
 
-    def __init__(self, state, buffers: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, state, buffers: dict[str, torch.Tensor], device: torch.device, rank_input=None):
         self.state = state
         self.buffers = buffers
         self.device = device
+        self.rank_input = rank_input
+        """``rank_input(name, device)``: the value of a program input that differs by rank."""
         self.comm_bytes = 0
         """Bytes this rank sent in the programs run since ``comm_bytes`` was last reset."""
 
     def inputs(self, prog, tensors) -> list[torch.Tensor]:
         params = self.state.param_inputs(prog.param_input == "full", prog.input_dtypes)
         bufs = [self.buffers[n].detach() for n in prog.capture.buffer_names]
-        return params + bufs + list(tensors)
+        ranked = [self.rank_input(n, self.device) for n in prog.capture.rank_inputs]
+        return params + bufs + list(tensors) + ranked
 
     def run(self, compiled: Compiled, batch, extra: list[torch.Tensor] = ()) -> list[torch.Tensor]:
         tensors, _, _ = flatten_batch(batch)

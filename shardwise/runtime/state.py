@@ -9,6 +9,10 @@ ddp        the model's own parameters                  whole parameters   whole
 zero1/2    the model's (or a compute-dtype copy)       fp32 shards Ψ/N    sharded
 zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    sharded
 =========  ==========================================  =================  =============
+
+Under a tp axis (``tp``: ``TensorParallel``) every parameter above is this rank's tp shard of it, and
+the model's own weights go to ``meta``: the table holds per tp rank. ``keep_model`` keeps them (a
+state made before the tp plan is known); ``reuse`` moves that state's optimizer over to this one.
 """
 
 from __future__ import annotations
@@ -58,11 +62,17 @@ class ShardedState:
         offload_chunk_bytes: int = 64 * 2**20,
         offload_overlap: bool = True,
         fused: bool | None = None,
+        tp: TensorParallel | None = None,
+        reuse: ShardedState | None = None,
+        keep_model: bool = False,
     ):
         self.strategy = strategy
         self.layouts = layouts
         self.rank = rank
+        self.tp = tp
         params = dict(model.named_parameters())
+        if tp is not None:  # this rank's tp shard of each split parameter, the others as they are
+            params = {n: tp.local(n, p) for n, p in params.items()}
         self.names = list(params)
         self.trainable = {n: p.requires_grad for n, p in params.items()}
         self.shapes = {n: p.shape for n, p in params.items()}
@@ -96,7 +106,10 @@ class ShardedState:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.opt_tensors = dict(opt_tensors)
         self.grad_names = [n for n in self.names if self.trainable[n]]
-        self.optimizer = optimizer_factory(opt_tensors)
+        if reuse is not None:  # the optimizer of a state made before the tp plan was known, moved over
+            self.optimizer = transplant(reuse.optimizer, reuse.opt_tensors, opt_tensors)
+        else:
+            self.optimizer = optimizer_factory(opt_tensors)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer= must be a factory returning a torch.optim.Optimizer, got {type(self.optimizer).__name__}; "
@@ -105,7 +118,7 @@ class ShardedState:
         if offload and fused:
             raise ValueError("fused_optimizer=True does not apply under offload_optimizer: the offloaded "
                              "update streams the state through the device chunk by chunk (runtime/offload.py)")
-        if not offload:
+        if not offload and reuse is None:
             self.optimizer = fused_twin(self.optimizer, fused)
         self.streamer = None
         if offload:
@@ -120,7 +133,7 @@ class ShardedState:
                 f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}, strategy='ddp', or mark a class whose "
                 "update is elementwise with `shardwise_elementwise = True`."
             )
-        if strategy != "ddp" and (strategy == "zero3" or param_dtype is not None):
+        if not keep_model and (tp is not None or strategy != "ddp" and (strategy == "zero3" or param_dtype is not None)):
             # the whole weights now live only as shards (and, for zero1/2, compute copies): released
             # last, once nothing above can refuse the job, so a refused job leaves the model as it was
             release_to_meta(model)
@@ -156,16 +169,22 @@ class ShardedState:
         scale is ``torch.nn.utils.clip_grad_norm_``'s: ``min(1, max_norm / (norm + 1e-6))``.
         """
         gs = list(grads.values())
-        if self.strategy == "ddp" or ranks == 1:
+        tp = self.tp
+        if tp is None and (self.strategy == "ddp" or ranks == 1):
             total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
             sent = 0
         else:
-            sq = torch.stack([torch.linalg.vector_norm(g) ** 2 for g in gs]).sum().reshape(1)
-            c10d = torch.ops._c10d_functional
-            host = _host_staged(group, sq)
-            red = c10d.wait_tensor(c10d.all_reduce(sq.cpu() if host else sq, "sum", group.group_name))
-            total = red.to(sq.device).reshape(()).sqrt()
-            sent = sent_bytes("all_reduce", sq.element_size(), ranks)
+            # a tensor-parallel shard's squares add over the tp ranks; a parameter whole on every tp rank
+            # counts once (a 1/tp share from each)
+            sq = torch.stack([torch.linalg.vector_norm(g) ** 2 / (tp.ranks if tp and not tp.sharded(n) else 1)
+                              for n, g in grads.items()]).sum().reshape(1)
+            sent = 0
+            for grp, n in ((group, ranks if self.strategy != "ddp" else 1), (tp.group if tp else None,
+                                                                            tp.ranks if tp else 1)):
+                if n > 1:
+                    sq = _all_reduce(sq, grp)
+                    sent += sent_bytes("all_reduce", sq.element_size(), n)
+            total = sq.reshape(()).sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         torch._foreach_mul_(gs, coef.to(gs[0].dtype))
         return total, sent
@@ -249,18 +268,67 @@ class ShardedState:
 
     @torch.no_grad()
     def gather_full(self, name: str, group: dist.ProcessGroup, ranks: int) -> torch.Tensor:
-        """The whole value of parameter ``name`` (collective: every rank must call it)."""
+        """The whole value of parameter ``name`` (collective: every rank must call it): its data-parallel
+        shards gathered, then its tensor-parallel ones."""
         if self.strategy == "ddp":
-            return self.full[name].detach()
-        shard = self.master[name].detach().to(self.device)
-        lay = self.layouts[name]
-        if ranks == 1:
-            return lay.unshard(shard)
-        return lay.unshard(_all_gather(shard.contiguous(), ranks, group))
+            local = self.full[name].detach()
+        else:
+            shard = self.master[name].detach().to(self.device)
+            lay = self.layouts[name]
+            local = lay.unshard(shard if ranks == 1 else _all_gather(shard.contiguous(), ranks, group))
+        return self.tp.gather(name, local) if self.tp is not None else local
+
+
+class TensorParallel:
+    """A job's tensor-parallel axis as the state sees it: each parameter's placement on it, its ranks,
+    this rank's coordinate and the axis's process group."""
+
+    def __init__(self, placements: dict, ranks: int, rank: int, group: dist.ProcessGroup):
+        self.placements, self.ranks, self.rank, self.group = placements, ranks, rank, group
+
+    def dim(self, name: str) -> int | None:
+        p = self.placements.get(name)
+        return getattr(p, "dim", None)
+
+    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        d = self.dim(name)
+        if d is None:
+            return p
+        return nn.Parameter(p.detach().chunk(self.ranks, d)[self.rank].clone(), requires_grad=p.requires_grad)
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        d = self.dim(name)
+        if d is None:
+            return local
+        moved = local.movedim(d, 0).contiguous()
+        return _all_gather(moved, self.ranks, self.group).movedim(0, d)
+
+    def sharded(self, name: str) -> bool:
+        return self.dim(name) is not None
+
+
+def transplant(opt: torch.optim.Optimizer, old: dict[str, torch.Tensor], named: list) -> torch.optim.Optimizer:
+    """``opt``, built over the tensors ``old`` (by name) before its first step, over ``named``'s
+    tensors of the same names instead: its groups, hyperparameters and identity kept, so schedulers
+    and references to it hold."""
+    if opt.state:
+        raise RuntimeError("internal: the optimizer has state already; its tensors cannot be replaced")
+    name_of = {id(t): n for n, t in old.items()}
+    new = dict(named)
+    for g in opt.param_groups:
+        g["params"] = [new[name_of[id(p)]] for p in g["params"]]
+    return opt
 
 
 def _host_staged(group: dist.ProcessGroup, x: torch.Tensor) -> bool:
     return dist.get_backend(group) == "gloo" and x.device.type != "cpu"
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``x`` over ``group`` (functional collective, waited; through the host on gloo)."""
+    c10d = torch.ops._c10d_functional
+    host = _host_staged(group, x)
+    return c10d.wait_tensor(c10d.all_reduce(x.cpu() if host else x, "sum", group.group_name)).to(x.device)
 
 
 def _all_gather(x: torch.Tensor, ranks: int, group: dist.ProcessGroup) -> torch.Tensor:
