@@ -73,11 +73,12 @@ def pass_context(config: JobConfig, model, dp: int, group: str, backend: str, de
 
 class TensorParallelAxis:
     """The mesh's tp axis as the compiler partitions for it: its ranks, this rank's coordinate, its
-    group, the plan asked for (``tp_plan``) and, once the first step is captured, each parameter's
-    placement on it."""
+    group, the plan asked for (``tp_plan``), whether the activations between its regions lie in
+    sequence shards, and, once the first step is captured, each parameter's placement on it."""
 
-    def __init__(self, ranks: int, rank: int, group, plan):
+    def __init__(self, ranks: int, rank: int, group, plan, sequence_parallel: bool = False):
         self.ranks, self.rank, self.group, self.plan = ranks, rank, group, plan
+        self.sequence_parallel = sequence_parallel
         self.placements: dict | None = None
         self._index: dict[str, object] = {}
 
@@ -102,6 +103,8 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
     if ranks == 1:
         if config.tp_plan is not None:
             raise ValueError("tp_plan applies to a mesh with a tp axis, e.g. sw.mesh(dp=2, tp=2)")
+        if config.sequence_parallel:
+            raise ValueError("sequence_parallel shards along the tp axis: use a mesh with one, e.g. sw.mesh(tp=2)")
         return None
     groups = {"offload_optimizer": config.offload, "overlap_update": config.update, "memory_budget": config.memory,
               "keep_gathered": config.memory, "offload_activations": config.memory}
@@ -109,7 +112,8 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
         if getattr(groups[name], name) not in (None, False):
             raise ValueError(f"{name} does not compose with tensor parallelism yet (mesh tp={ranks}): leave it "
                              "off, or use a mesh of dp alone")
-    return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), config.tp_plan or "megatron")
+    return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), config.tp_plan or "megatron",
+                              config.sequence_parallel)
 
 
 class Compiler:
@@ -167,7 +171,7 @@ class Compiler:
         if placements is None:
             plan = tp_pass.megatron_plan(cap, tp.ranks) if tp.plan == "megatron" else tp.plan
             placements = tp_pass.seeds_of(cap, plan, tp.ranks)
-        return tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name)[0], placements
+        return tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel)[0], placements
 
     def _compile(self, key, batch, tensors, mode: str) -> None:
         train = mode != "eval"

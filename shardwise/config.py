@@ -181,7 +181,9 @@ class JobConfig:
     """Where the mesh has a tp axis: ``"megatron"`` (the default there: column/row-parallel pairs found
     from the graph, passes/tp.py) or ``{parameter-name glob: sw.Shard(dim) | sw.Replicate()}``."""
     sequence_parallel: bool = False
-    """Shard the activations between the tensor-parallel regions along the sequence (being built)."""
+    """With a tp axis: the activations between the tensor-parallel regions (the residual stream, its
+    norms) lie in sequence shards; all-gather before each column-parallel product, reduce-scatter after
+    each row-parallel one, in place of the all-reduces."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -206,8 +208,6 @@ class JobConfig:
             bad = {k: v for k, v in self.tp_plan.items() if not isinstance(v, (Shard, Replicate))}
             if bad:
                 raise ValueError(f"tp_plan: each placement must be sw.Shard(dim) or sw.Replicate(), got {bad}")
-        if self.sequence_parallel:
-            raise ValueError("sequence_parallel=True is being built (issue 22): leave it off for now")
         if self.memory.keep_gathered is not None and self.strategy != "zero3":
             raise ValueError(f"keep_gathered applies to zero3 (every parameter is gathered), not {self.strategy}")
 

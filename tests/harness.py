@@ -330,14 +330,14 @@ def loop_reference(name: str, dtype: str, ws: int, steps: int):
         torch.set_num_threads(threads)
 
 
-def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = None):
+def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = None, **compile_kw):
     """The loop of ``loop_reference`` on a mesh of dp x ``tp`` ranks (a tp group takes its dp rank's batches)."""
     from shardwise.recipes import cosine_with_warmup
 
     model = make_model(name, dtype)
     mesh = sw.mesh(tp=tp)
     rank = mesh.rank("dp")
-    job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=mesh, clip_grad_norm=LOOP["clip"])
+    job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=mesh, clip_grad_norm=LOOP["clip"], **compile_kw)
     sched = cosine_with_warmup(job.optimizer, LOOP["warmup"], steps)
     k = LOOP["micro"]
     losses, norms = [], []
@@ -556,6 +556,7 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
     cs = [collective_of(n) for n in prog.collective_nodes()]
     info = {"tp": prog.counts("tp"), "dp": prog.counts("dp"),
             "phases": Counter((c.axis, c.kind, c.phase) for c in cs),
+            "tp_all_reduced": sorted(p for c in cs if c.axis == "tp" and c.kind == "all_reduce" for p in c.params),
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "explain": job.explain()}
     return losses, sd, info

@@ -75,7 +75,12 @@ def test_products_follow_their_einsum():
     assert _mm(Shard(1), Shard(0)) == (Partial(), [])  # row-parallel: partial sums
     assert _mm(Shard(0), Replicate()) == (Shard(0), [])  # the rows' shard
     assert _mm(Shard(1), Replicate()) == (Partial(), [("b", "slice")])  # the replicated operand's slice
-    assert _mm(Shard(0), Shard(1)) == (Shard(0), [("b", "all_gather")])
+    # two shards on different letters: the activation (left) is gathered, the weight keeps its shard
+    # (sequence parallelism's gather before a column-parallel product) ...
+    assert _mm(Shard(0), Shard(1)) == (Shard(1), [("a", "all_gather")])
+    # ... unless that leaves partial sums: a weight gradient x^T @ dy of token shards x and
+    # column shards dy gathers dy and comes out in the weight's shard
+    assert _mm(Shard(0), Shard(0)) == (Shard(0), [("b", "all_gather")])
 
 
 def test_an_op_without_a_rule_is_an_error_naming_it():

@@ -39,6 +39,33 @@ def test_tp_parity_fp64(pools, name, strategy, ws, micro):
         assert sum(info["dp"].values()) == 0  # one rank per dp line: nothing to move on it
 
 
+@pytest.mark.parametrize("name,strategy,ws,micro", [
+    ("llama", "ddp", 2, 1), ("llama", "zero3", 4, 2), ("gpt", "zero3", 4, 1), ("moe", "zero2", 4, 1),
+])
+def test_sequence_parallel_parity_fp64(pools, name, strategy, ws, micro):
+    info = _check(pools, name, strategy, ws, 2, micro, sequence_parallel=True)
+    assert info["tp"]["reduce_scatter"] > 0 and info["tp"]["all_gather"] > 0
+
+
+def test_sequence_parallel_trades_each_all_reduce_for_a_gather_and_a_scatter(pools):
+    """The graph change of sequence parallelism on Llama: the residual stream and its norms in
+    sequence shards, so each layer's 2 forward all-reduces become an all-gather before each
+    column-parallel pair and a reduce-scatter after each row-parallel product, the same again in the
+    backward, and no activation is all-reduced. The tp all-reduces left are of gradients of whole
+    parameters that the sequence shards summed in part: the 5 norms' weights and the token
+    embedding's; the head's input is gathered once (its weight is whole)."""
+    info = _check(pools, "llama", "ddp", 2, 2, sequence_parallel=True)
+    layers, ph = 2, info["phases"]
+    assert ph[("tp", "all_gather", "fwd")] == 2 * layers + 1
+    assert ph[("tp", "reduce_scatter", "fwd")] == 2 * layers
+    assert ph[("tp", "all_gather", "bwd")] == 2 * layers
+    assert ph[("tp", "reduce_scatter", "bwd")] == 2 * layers
+    assert ph[("tp", "all_reduce", "fwd")] == 0
+    assert ph[("tp", "all_reduce", "bwd")] == (2 * layers + 1) + 1
+    assert info["tp_all_reduced"] == sorted(["tok.weight", "norm.weight"] + [
+        f"blocks.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")])
+
+
 def test_tp_fp32_20_steps_as_exact_as_single_device_fp32(pools):
     """fp32 is held to exact (fp64) training, not to single-device fp32: splitting a row-parallel
     product changes its summation order, and these tiny models have gradient entries near AdamW's eps
@@ -96,12 +123,12 @@ def test_a_replicated_plan_runs_without_tp_collectives(pools):
     assert sum(info["tp"].values()) == 0
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_tp_training_loop_parity(pools, strategy):
+@pytest.mark.parametrize("strategy,sp", [("ddp", False), ("zero3", False), ("zero3", True)])
+def test_tp_training_loop_parity(pools, strategy, sp):
     """Accumulation, the global grad-norm clip (tp shards' squares added once, whole parameters once),
-    the schedule, eval and the export, on dp=2 x tp=2."""
+    the schedule, eval and the export, on dp=2 x tp=2 (and with sequence parallelism)."""
     ref_losses, ref_norms, ref_eval, ref_sd = harness.loop_reference("llama", "fp64", 2, 4)
-    losses, norms, ev, sd = pools(4).run(harness.loop_run, "llama", strategy, "fp64", 4, 2)[0]
+    losses, norms, ev, sd = pools(4).run(harness.loop_run, "llama", strategy, "fp64", 4, 2, sequence_parallel=sp)[0]
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-10
     assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-10
     assert sum(n > harness.LOOP["clip"] for n in ref_norms) >= 2  # the threshold really clips
@@ -135,7 +162,6 @@ def test_a_shard_the_tp_ranks_do_not_divide_is_refused_by_name():
 @pytest.mark.parametrize("kw,says", [
     ({"offload_optimizer": "all"}, "offload_optimizer does not compose with tensor parallelism"),
     ({"memory_budget": 0.5}, "memory_budget does not compose with tensor parallelism"),
-    ({"sequence_parallel": True}, "sequence_parallel=True is being built"),
     ({"tp_plan": "column"}, "tp_plan must be 'megatron' or a dict"),
     ({"tp_plan": {"*": "shard"}}, "each placement must be sw.Shard(dim) or sw.Replicate()"),
 ])

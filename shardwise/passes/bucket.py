@@ -116,7 +116,8 @@ def bucket(gm: fx.GraphModule, ranks: int, bucket_bytes: int) -> int:
     g = gm.graph
     made = 0
     for kind, merge in (("all_gather", _merge_all_gathers), ("reduce_scatter", _merge_reduce_scatters)):
-        starts = [s for s in emit.collectives(gm) if collective_of(s).kind == kind]
+        # the dp strategy's collectives of parameters (the tp axis's move activations, each read soon after)
+        starts = [s for s in emit.collectives(gm, "dp") if collective_of(s).kind == kind]
         if kind == "all_gather":
             starts = [s for s in starts if feed_chain(s) is not None]
         for members in _groups(starts, bucket_bytes):

@@ -193,6 +193,7 @@ def all_reduce_many(
     return outs
 
 
-def collectives(gm: fx.GraphModule) -> list[fx.Node]:
-    """The collective-start nodes of a graph, in graph order."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and collective_of(n) is not None]
+def collectives(gm: fx.GraphModule, axis: str | None = None) -> list[fx.Node]:
+    """The collective-start nodes of a graph (on mesh ``axis``, or on any), in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and collective_of(n) is not None
+            and (axis is None or collective_of(n).axis == axis)]

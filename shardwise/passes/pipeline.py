@@ -81,7 +81,7 @@ def _shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str) -> Pr
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
     if ctx.recompute:
         prog.recomputed = recompute.apply(prog.gm)
-    starts = emit.collectives(prog.gm)
+    starts = emit.collectives(prog.gm, "dp")
     if ctx.shard_bucket_bytes == "auto" and strategy != "ddp" and starts and ctx.dp > 1:
         return _auto_buckets(prog, ctx, mode, starts)
     return _finish(prog, ctx, mode, ctx.shard_bucket_bytes if strategy != "ddp" and starts else 0)
@@ -94,11 +94,11 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap
     ``ctx.cap_sweep``) the scheduler's in-flight cap is the one the cost model picks (``_schedule``);
     ``ref_peak`` is the predicted peak the sweep's memory slack is measured from (default: the
     smallest cap's)."""
-    starts = emit.collectives(prog.gm)
+    starts = emit.collectives(prog.gm, "dp")
     if bucket_bytes != 0 and starts:
         limit = bucket_bytes or 2 * max(collective_of(s).full_bytes for s in starts)
         prog.buckets = bucket.bucket(prog.gm, ctx.dp, limit)
-        starts = emit.collectives(prog.gm)
+    starts = emit.collectives(prog.gm)
     if mode == "acc":
         prog = accumulate.into_inputs(prog)
     if ctx.schedule and starts:

@@ -8,7 +8,8 @@ joint graph (sharding/propagate.py); this pass then makes the program each tp ra
 2. each value a reader needs in another placement gets its collective on the tp group, right after
    the value is made: P→R all-reduce, S→R all-gather, P→S reduce-scatter; R→S is this rank's slice,
    taken with ``index_select`` on an input that holds this rank's indices (``Capture.rank_inputs``),
-   so that every rank runs the same code;
+   so that every rank runs the same code; R→P keeps the value on the first rank only (a bias added
+   to a partial sum), by the same input;
 3. every size an op was traced with (views, expands) becomes the local one, and the values are traced
    again on local fake inputs.
 
@@ -29,6 +30,7 @@ import torch.fx as fx
 from ..capture import Capture, forward_nodes
 from ..sharding import Partial, Replicate, Shard
 from ..sharding.propagate import Propagation, propagate
+from ..sharding.rules import marks
 from . import emit
 
 aten = torch.ops.aten
@@ -72,9 +74,31 @@ def _decompose_addmm(g: fx.Graph) -> None:
             g.erase_node(n)
 
 
-def partition(cap: Capture, plan: dict, ranks: int, group: str) -> tuple[Capture, Propagation]:
-    """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``.
-    Returns (its Capture, the propagation it was made from)."""
+def sequence_marks(g: fx.Graph, fwd: set, ranks: int) -> dict:
+    """Sequence parallelism's marks: every lookup of the forward (token and position embeddings) is
+    cut along its indices' last dim, the sequence, where it is made, so the residual stream between
+    the tensor-parallel regions lies in sequence shards. The positions were computed from the whole
+    sequence before the cut (the single-device graph's ``arange``), so RoPE and learned positions
+    are right. Returns {shape: Shard}: the stream's shapes, by which its gradients are known."""
+    prefer = {}
+    for n in list(g.nodes):
+        if n in fwd and n.target is aten.embedding.default:
+            v = n.meta["val"]
+            d = v.dim() - 2
+            if d < 0 or v.shape[d] % ranks:
+                raise ValueError(f"sequence_parallel: the sequence of {n.name} (shape {tuple(v.shape)}, dim {d}) "
+                                 f"has {v.shape[d] if d >= 0 else 1} tokens, which {ranks} tp ranks do not divide: "
+                                 "use a sequence length that tp divides, or sequence_parallel=False")
+            marks.insert(g, n, Shard(d))
+            prefer[tuple(v.shape)] = Shard(d)
+    return prefer
+
+
+def partition(cap: Capture, plan: dict, ranks: int, group: str,
+              sequence_parallel: bool = False) -> tuple[Capture, Propagation]:
+    """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
+    (with ``sequence_parallel``, the activations between the regions in sequence shards). Returns
+    (its Capture, the propagation it was made from)."""
     gm = copy.deepcopy(cap.gm)
     g = gm.graph
     _decompose_addmm(g)
@@ -84,9 +108,11 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str) -> tuple[Capture
     seeds = {ph: by_name[name] for ph, name in params.items()}
     grads = [ph for ph, t in zip(params, cap.trainable) if t]
     outputs = [Replicate()] + [seeds[ph] for ph in grads]
-    prop = propagate(gm, seeds, ranks, outputs, names=params)
-    pl = prop.placements
     fwd = forward_nodes(gm)
+    prefer = sequence_marks(g, fwd, ranks) if sequence_parallel else None
+    fwd = forward_nodes(gm)
+    prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer)
+    pl = prop.placements
     index_inputs: dict[int, fx.Node] = {}
 
     def index_of(d_size: int) -> fx.Node:
@@ -99,15 +125,20 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str) -> tuple[Capture
             index_inputs[d_size] = ph
         return index_inputs[d_size]
 
+    # a gradient output's parameter, to name in the collective that places it
+    out_args = g.find_nodes(op="output")[0].args[0]
+    grad_of = {a: params[ph] for a, ph in zip(out_args[1:], grads) if isinstance(a, fx.Node)}
     # the collectives, one per value and placement it is moved to, right after the value is made
     for r in prop.collectives():
         readers = [x.node for x in prop.reshards if x.arg is r.arg and x.dst == r.dst]
         at = r.arg if r.arg.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
+        named = tuple(grad_of[r.arg] for u in readers[:1] if u.op == "output" and r.arg in grad_of)
         with g.inserting_before(at.next):
-            new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, "fwd" if r.arg in fwd else "bwd")
+            new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, "fwd" if r.arg in fwd else "bwd", named)
         for u in readers:
             u.replace_input_with(r.arg, new)
         pl[new] = r.dst
+    marks.remove(g)
     # local sizes where ops were traced with the whole ones
     for n in g.nodes:
         if n.op == "call_function" and n.target in _SIZED and isinstance(pl.get(n), Shard):
@@ -146,15 +177,24 @@ def _strides(shape):
     return tuple(reversed(st))
 
 
-def _reshard(g, x, src, dst, ranks, group, index_of, phase):
-    """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis, in ``phase`` of the step."""
+def _reshard(g, x, src, dst, ranks, group, index_of, phase, params=()):
+    """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis, in ``phase`` of the step
+    (``params``: the parameters whose gradient it is)."""
     v = x.meta["val"]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp")
+        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, params, axis="tp")
         return emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
                                    list(v.shape), v.dtype, v.device, c)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return _gather(g, x, src.dim, ranks, group, phase)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return _scatter(g, x, dst.dim, ranks, group, phase)
+    if isinstance(src, Replicate) and isinstance(dst, Partial):
+        # the value on the first rank, zeros on the others: this rank's index into a dim of ``ranks``
+        # entries is its rank
+        first = emit.node(g, aten.eq.Scalar, (index_of(ranks), 0), emit.fake([1], torch.bool, v.device))
+        first = emit.node(g, aten.view.default, (first, []), emit.fake([], torch.bool, v.device))
+        return emit.node(g, aten.mul.Tensor, (x, first), emit.fake(list(v.shape), v.dtype, v.device))
     if isinstance(src, Replicate) and isinstance(dst, Shard):
         idx = index_of(v.shape[dst.dim])
         return emit.node(g, aten.index_select.default, (x, dst.dim, idx),
@@ -179,7 +219,32 @@ def _gather(g, x, d, ranks, group, phase):
     if d == 0:
         return out
     back = [perm.index(i) for i in range(len(perm))]
-    return emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device))
+    return _contiguous(g, emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device)))
+
+
+def _scatter(g, x, d, ranks, group, phase):
+    """Reduce-scatter of a partial sum to its shard on dim ``d``: dim ``d`` is moved to dim 0, where
+    the pieces are cut, and back after."""
+    v = x.meta["val"]
+    perm = [d] + [i for i in range(v.dim()) if i != d]
+    moved = [v.shape[i] for i in perm]
+    y = x if d == 0 else emit.node(g, aten.permute.default, (x, perm), emit.fake(moved, v.dtype, v.device))
+    y = emit.contiguous(g, y)
+    local = [moved[0] // ranks, *moved[1:]]
+    c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp")
+    out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,
+                              v.device, c)
+    if d == 0:
+        return out
+    back = [perm.index(i) for i in range(len(perm))]
+    return _contiguous(g, emit.node(g, aten.permute.default, (out, back),
+                                    emit.fake(local_shape(v.shape, Shard(d), ranks), v.dtype, v.device)))
+
+
+def _contiguous(g, x):
+    """A permuted collective's result laid out in order again (views of it follow)."""
+    v = x.meta["val"]
+    return emit.node(g, aten.clone.default, (x,), v, memory_format=torch.contiguous_format)
 
 
 def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
@@ -247,7 +312,7 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
     for _ in range(len(rows)):
         seeds = {ph: plan.get(names[ph], Replicate()) for ph in names}
         prop = place_all(gm, seeds, ranks)
-        bad = {r.node for r in prop.collectives() if r.kind != "all_reduce" and r.node in fwd}
+        bad = {r.node for r in prop.collectives() if r.kind not in ("all_reduce", "one_rank") and r.node in fwd}
         drop = [row for row, cols in rows.items() if any(region.get(b, frozenset()) & cols for b in bad)]
         if not drop:
             break

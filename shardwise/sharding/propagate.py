@@ -50,8 +50,11 @@ class Reshard:
 
     @property
     def kind(self) -> str:
-        """The collective that does it (or ``slice``: a local slice of a replicated value)."""
+        """The collective that does it (or ``slice``: a local slice of a replicated value; ``one_rank``:
+        a replicated value kept on the axis's first rank, zeros on the others, so a sum of it is once)."""
         s, d = self.src, self.dst
+        if isinstance(d, Partial) and isinstance(s, Replicate):
+            return "one_rank"
         if isinstance(s, Partial):
             return "all_reduce" if isinstance(d, Replicate) else "reduce_scatter"
         if isinstance(s, Shard):
@@ -101,15 +104,29 @@ def replicated(node: fx.Node, place, ranks: int):
 
 
 def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None = None,
-              names: dict | None = None) -> Propagation:
+              names: dict | None = None, prefer: dict | None = None) -> Propagation:
     """Place every node of ``gm`` on an axis of ``ranks`` ranks from ``seeds`` (placeholder -> placement);
     ``outputs``: the placement each graph output must have (None: as its producer leaves it); ``names``:
-    what errors call a placeholder (its parameter's name)."""
+    what errors call a placeholder (its parameter's name); ``prefer``: {shape: Shard} where a partial
+    value of that shape that a reader needs whole is reduce-scattered to the shard instead, if the
+    reader takes it so (sequence parallelism: the residual stream's gradients, by their shape)."""
     plan = Propagation(ranks)
     pl = plan.placements
+    prefer = prefer or {}
 
     def place(a):
         return pl.get(a, R) if isinstance(a, fx.Node) else None
+
+    def scattered(n, rule, need):
+        """``need`` with the partials of a preferred shape reduce-scattered where the rule allows."""
+        move = {a: prefer[tuple(val(a).shape)] for a, d in need.items()
+                if d == R and isinstance(place(a), Partial) and val(a) is not None and tuple(val(a).shape) in prefer}
+        if not move:
+            return None
+        need2, out2 = rule(n, lambda a: move.get(a, place(a)), ranks)
+        if any(a in need2 for a in move):
+            return None
+        return {**need2, **move}, out2
 
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -126,6 +143,7 @@ def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None 
                                         "add one in shardwise/sharding/rules/, or replicate what feeds it in the tp plan")
                 rule = pointwise_rule
             need, out = rule(n, place, ranks)
+            need, out = scattered(n, rule, need) or (need, out)
             for a, dst in need.items():
                 if dst != place(a):
                     plan.reshards.append(Reshard(n, a, place(a), dst))

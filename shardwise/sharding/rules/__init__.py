@@ -1,7 +1,7 @@
 """Sharding rules, one file per op family, each registered in the op registry (sharding/ops.py,
 ``OpInfo.rule``): pointwise, views, products, reductions and normalisations, attention, embeddings,
-losses, factories."""
+losses, factories; marks of placements a value must take."""
 
-from . import attention, embedding, factory, losses, matmul, pointwise, reductions, views
+from . import attention, embedding, factory, losses, marks, matmul, pointwise, reductions, views
 
-__all__ = ["attention", "embedding", "factory", "losses", "matmul", "pointwise", "reductions", "views"]
+__all__ = ["attention", "embedding", "factory", "losses", "marks", "matmul", "pointwise", "reductions", "views"]

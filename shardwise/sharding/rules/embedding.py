@@ -29,8 +29,9 @@ def embedding_backward(node, place, ranks):
     nd = val(grad).dim()
     if isinstance(pg, Shard) and pg.dim == nd - 1 and pi == R:
         return {}, Shard(1)
-    if isinstance(pg, Shard) and pg.dim < nd - 1 and pi == pg:
-        return {}, Partial()  # each rank's tokens add into the whole table
+    if isinstance(pg, Shard) and pg.dim < nd - 1 and pi in (pg, R):
+        # each rank's tokens add into the whole table (whole indices: this rank's slice of them)
+        return ({idx: pg} if pi == R else {}), Partial()
     return {a: R for a in (grad, idx) if place(a) != R}, R
 
 

@@ -30,7 +30,12 @@ def _einsum(a_dims: str, b_dims: str, out_dims: str, node, place):
     if la is None and lb is None:
         return {}, R
     if la is not None and lb is not None and la != lb:
-        return {b: R}, _out(la, a_dims, out_dims, contracted)  # different letters: gather the right operand
+        # different letters: gather one operand, the one that leaves the output whole-summed (no
+        # partial to reduce after); the left one where both do (the right is the weight in
+        # ``x @ W``, whose shard stays: sequence parallelism gathers the activation)
+        if _out(lb, a_dims, out_dims, contracted) != Partial():
+            return {a: R}, _out(lb, a_dims, out_dims, contracted)
+        return {b: R}, _out(la, a_dims, out_dims, contracted)
     letter = la or lb
     need = {}
     if letter in contracted or letter in set(a_dims) & set(b_dims):  # both operands have it

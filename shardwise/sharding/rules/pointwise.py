@@ -4,7 +4,9 @@ Operands are aligned from the right, as broadcasting does. Every sharded operand
 output dim; a replicated operand that has that dim at full size is sliced to it locally (no
 communication), one that broadcasts along it (size 1) is read whole. A pending sum (Partial) passes
 through additions and subtractions of partials and through copies; anything else needs the sum
-taken first (an all-reduce). Products with replicated factors are linear too, but taking the sum
+taken first: where another operand is sharded, only this rank's shard of it (a reduce-scatter, as
+sequence parallelism has after each row-parallel product), else whole (an all-reduce). A smaller
+whole term added to a partial (a bias) is added on one rank only, and the sum stays partial. Products with replicated factors are linear too, but taking the sum
 before them is what keeps it to one: a gradient that reaches a norm's backward as partial sums
 would leave the norm's weight gradient partial as well (two reductions, not one)."""
 
@@ -39,6 +41,21 @@ def pointwise_rule(node: fx.Node, place, ranks: int):
         # added once per rank)
         if node.target in _SUMS and not others or node.target in _COPIES:
             return {}, Partial()
+        if node.target in _SUMS and all(place(a) == R and val(a).numel() < out.numel() for a in others) \
+                and all(val(a).shape == out.shape for a in partial):
+            # a partial plus a smaller whole term that broadcasts (a row-parallel product's bias): the
+            # term added on one rank only keeps the sum pending, to be reduced where a reader needs it
+            # (a term as large as the sum, a residual, is not: the sum is reduced here)
+            return {a: Partial() for a in others}, Partial()
+        need, out = _pointwise(node, others, place, nd)
+        if isinstance(out, Shard):
+            # the sum is needed only where this rank's shard of the other operands lies: a
+            # reduce-scatter to that shard (sequence parallelism's, after a row-parallel product)
+            for a in partial:
+                k = out.dim - (nd - val(a).dim())
+                full = k >= 0 and val(a).shape[k] == val(node).shape[out.dim] and val(a).shape[k] != 1
+                need[a] = Shard(k) if full else R
+            return need, out
         return {a: R for a in partial}, _pointwise(node, ins, lambda a: R if a in partial else place(a), nd)[1]
     return _pointwise(node, ins, place, nd)
 
