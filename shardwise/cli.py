@@ -20,6 +20,7 @@ def _train_parser(sub) -> None:
     )
     _model_args(p)
     _optimizer_args(p)
+    _mesh_args(p)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
     p.add_argument("--grad-accum", type=int, default=1,
@@ -52,6 +53,7 @@ def _explain_parser(sub) -> None:
     )
     _model_args(p)
     _optimizer_args(p)
+    _mesh_args(p)
     p.add_argument("--link-profile", default=None,
                    help="a JSON profile from `shardwise calibrate`, or a preset name (default: per backend)")
     p.add_argument("--profile", action="store_true",
@@ -70,11 +72,12 @@ def explain_main(args) -> None:
     import shardwise as sw
     from shardwise.data import SyntheticStream
 
-    mesh = sw.mesh()
+    mesh = _mesh_of(args)
     model, seq, mp = _build_model(args, mesh)
     job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), strategy=args.strategy, mesh=mesh,
-                     mixed_precision=mp, link_profile=args.link_profile, compile=args.compile, **_memory_kw(args))
-    x, y = (t.to(mesh.device) for t in SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed).get(0, dist.get_rank()))
+                     mixed_precision=mp, link_profile=args.link_profile, compile=args.compile, **_memory_kw(args),
+                     **_tp_kw(args))
+    x, y = (t.to(mesh.device) for t in SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed).get(0, mesh.rank("dp")))
     mem = job.predict_memory((x, y))  # before the first step: nothing has run yet
     job.time_optimizer = True
     job.step((x, y))
@@ -186,6 +189,27 @@ def _model_args(p) -> None:
                    help="recompute cheap elementwise activations in the backward instead of keeping them")
     p.add_argument("--offload-activations", action="store_true",
                    help="keep the activations the backward reads in host memory between forward and backward")
+
+
+def _mesh_args(p) -> None:
+    """The mesh of the jobs ``train`` and ``explain`` build: dp x tp over the ranks."""
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (adjacent ranks; --nproc / TP is the data-parallel size that "
+                        "--strategy acts on): Megatron's column/row-parallel pairs found from the graph")
+    p.add_argument("--sp", action="store_true",
+                   help="with --tp: sequence parallelism (the residual stream and norms in sequence shards)")
+
+
+def _mesh_of(args):
+    import shardwise as sw
+
+    if args.sp and args.tp <= 1:
+        raise SystemExit("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1) with it")
+    return sw.mesh(tp=args.tp if args.tp > 1 else None)
+
+
+def _tp_kw(args) -> dict:
+    return {"sequence_parallel": True} if args.sp else {}
 
 
 def _optimizer_args(p) -> None:
@@ -346,8 +370,9 @@ def train_main(args) -> None:
         os.environ["SHARDWISE_BACKEND"] = "gloo"
     if args.grad_accum < 1:
         raise SystemExit(f"--grad-accum must be >= 1, got {args.grad_accum}")
-    mesh = sw.mesh()
-    rank, ws = dist.get_rank(), dist.get_world_size()
+    mesh = _mesh_of(args)
+    rank = dist.get_rank()
+    drank, dws = mesh.rank("dp"), mesh.size("dp")  # the ranks of one tp group read the same batches
     model, seq, mp = _build_model(args, mesh, **({"vocab": 256} if args.data else {}))
     from shardwise.recipes import adamw_groups, cosine_with_warmup
 
@@ -360,11 +385,12 @@ def train_main(args) -> None:
         compile=args.compile,
         clip_grad_norm=args.clip,
         **_memory_kw(args),
+        **_tp_kw(args),
     )
     job.replan_at = 4  # steps 2 and 3 are measured and profiled by this loop itself
     sched = cosine_with_warmup(job.optimizer, args.warmup, args.steps) if args.lr_schedule == "cosine" else None
     if args.data:
-        data = ByteFile(args.data, seq, args.batch, rank, ws, args.seed)
+        data = ByteFile(args.data, seq, args.batch, drank, dws, args.seed)
     else:
         data = SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed)
     n = sum(p.numel() for p in model.parameters())
@@ -373,7 +399,7 @@ def train_main(args) -> None:
     plan = None
     if args.grad_accum == 1:
         try:  # compiles the step program: the plan and its predicted peak exist before step 1
-            plan = job.predict_memory(tuple(t.to(mesh.device) for t in data.get(0, rank)))
+            plan = job.predict_memory(tuple(t.to(mesh.device) for t in data.get(0, drank)))
         except BudgetError as e:
             if rank == 0:
                 print(f"shardwise train: {e}", file=sys.stderr, flush=True)
@@ -403,7 +429,7 @@ def train_main(args) -> None:
     exposed, pred_ms = None, None
     k = args.grad_accum
     for step in range(args.steps):
-        micro = [tuple(t.to(mesh.device) for t in data.get(step * k + m, rank)) for m in range(k)]
+        micro = [tuple(t.to(mesh.device) for t in data.get(step * k + m, drank)) for m in range(k)]
         batch = micro if k > 1 else micro[0]
         t0 = time.perf_counter()
         on_cpu = mesh.device.type == "cpu"
@@ -425,14 +451,14 @@ def train_main(args) -> None:
             job.profile_compute(batch)  # measured compute (max over ranks) for the prediction
             pred_ms = job.predict_step(batch)["step_s"] * 1e3
         peaks = torch.tensor([peak if peak is not None else -1], dtype=torch.int64)
-        allp = [torch.zeros_like(peaks) for _ in range(ws)]
+        allp = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
         dist.all_gather(allp, peaks, group=job.ctrl)
         if first is None:
             first = loss_v
         if rank == 0:
             mem = " ".join(_fmt_bytes(int(p)) if int(p) >= 0 else "-" for p in allp)
             mem += "" if peak_step in (None, step + 1) else f" @step {peak_step}"
-            tok_s = args.batch * seq * ws * k / dt
+            tok_s = args.batch * seq * dws * k / dt
             extra = f"  lr {lr:.2e}" if sched is not None else ""
             if job.last_grad_norm is not None:
                 extra += f"  gnorm {float(job.last_grad_norm):.3f}"
@@ -449,7 +475,7 @@ def train_main(args) -> None:
                   f"{_fmt_bytes(r['predicted'])}; holding back {_fmt_bytes(r['held_back'])}", flush=True)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             # held-out batches: indices no training step draws
-            ev = [float(job.eval_step(tuple(t.to(mesh.device) for t in data.get(10**9 + i, rank)))) for i in range(2)]
+            ev = [float(job.eval_step(tuple(t.to(mesh.device) for t in data.get(10**9 + i, drank)))) for i in range(2)]
             if rank == 0:
                 print(f"eval after step {step + 1}: loss {sum(ev) / len(ev):.4f}", flush=True)
     if rank == 0:

@@ -84,12 +84,12 @@ class TensorParallelAxis:
 
     def rank_input(self, name: str, device):
         """The value of a rank input of a tp-local program (passes/tp.py): ``tp_index_<size>`` is this
-        rank's indices into a dim of that size."""
-        import torch
+        rank's indices into a dim of that size, ``tp_index_<size>x<blocks>`` into one cut in blocks."""
+        from .sharding import Shard
 
         if name not in self._index:
-            k = int(name.rsplit("_", 1)[1]) // self.ranks
-            self._index[name] = torch.arange(self.rank * k, (self.rank + 1) * k, device=device)
+            size, _, blocks = name.rsplit("_", 1)[1].partition("x")
+            self._index[name] = Shard(0, int(blocks or 1)).indices(int(size), self.rank, self.ranks).to(device)
         return self._index[name]
 
 

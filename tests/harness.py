@@ -221,6 +221,20 @@ def hf_run(kind: str, strategy: str, steps: int):
     return losses, job.full_state_dict()
 
 
+def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, **compile_kw):
+    """``hf_run`` on a mesh of dp x ``tp`` ranks: (losses, full_state_dict, tp collectives by kind and phase)."""
+    from collections import Counter
+
+    from shardwise.sharding.collective import collective_of
+
+    mesh = sw.mesh(tp=tp)
+    job = sw.compile(make_hf(kind), optimizer=adamw, strategy=strategy, mesh=mesh, **compile_kw)
+    losses = [float(job.step(hf_batch(s, mesh.rank("dp")))) for s in range(steps)]
+    prog = job.programs()[0]
+    cs = [collective_of(n) for n in prog.collective_nodes()]
+    return losses, job.full_state_dict(), Counter((c.kind, c.phase) for c in cs if c.axis == "tp")
+
+
 def rel_param_err(sd, ref):
     return max(((sd[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item() for k in ref)
 

@@ -52,11 +52,19 @@ def test_a_replicated_plan_needs_no_collective():
     assert plan.collectives() == [] and set(plan.placements.values()) >= {Replicate()}
 
 
-@pytest.mark.parametrize("src,dst,d,want", [((4, 6), (2, 2, 6), 0, 0), ((6, 8), (6, 2, 4), 1, 1),
-                                            ((2, 4, 8), (8, 8), 0, 0), ((2, 4, 8), (8, 8), 1, None),
-                                            ((2, 1, 16), (2, 16), 2, 1), ((32, 32), (2, 16, 4, 8), 1, 2)])
-def test_a_view_moves_a_shard_to_the_outer_factor(src, dst, d, want):
-    assert reshape_map(src, dst, d) == want
+@pytest.mark.parametrize("src,dst,p,want", [
+    ((4, 6), (2, 2, 6), Shard(0), Shard(0)), ((6, 8), (6, 2, 4), Shard(1), Shard(1)),
+    ((2, 4, 8), (8, 8), Shard(0), Shard(0)), ((2, 1, 16), (2, 16), Shard(2), Shard(1)),
+    ((32, 32), (2, 16, 4, 8), Shard(1), Shard(2)),
+    # an inner factor's shard is a cut of the merged dim in blocks: sequences flattened into rows ...
+    ((2, 4, 8), (8, 8), Shard(1), Shard(0, groups=2)), ((8, 8), (2, 4, 8), Shard(0, groups=2), Shard(1)),
+    # ... or a fused q|k|v output viewed by head: the heads' shard
+    ((4, 24), (4, 3, 2, 4), Shard(1, groups=3), Shard(2)),
+    ((2, 4, 8), (8, 8), Shard(2), Shard(1)), ((4, 6), (24,), Shard(1), Shard(0, groups=4)),
+    ((6, 4), (3, 8), Shard(0), None),  # rank 0's 12 entries are 1.5 rows of 8
+])
+def test_a_view_moves_a_shard_to_where_its_blocks_fall_whole(src, dst, p, want):
+    assert reshape_map(src, dst, p, 2) == want
 
 
 def _mm(pa, pb, shape_a=(4, 8), shape_b=(8, 6)):
@@ -87,10 +95,10 @@ def test_an_op_without_a_rule_is_an_error_naming_it():
     g = torch.fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(4, 8)
-    y = g.call_function(aten.topk.default, (x, 2))
-    y.meta["val"] = (torch.empty(4, 2), torch.empty(4, 2, dtype=torch.long))
+    y = g.call_function(aten.cumsum.default, (x, 1))
+    y.meta["val"] = torch.empty(4, 8)
     g.output([y])
-    with pytest.raises(ShardingError, match=r"no sharding rule for aten\.topk\.default \(node topk_default, inputs placed "
+    with pytest.raises(ShardingError, match=r"no sharding rule for aten\.cumsum\.default \(node cumsum_default, inputs placed "
                                             r"\{'x': 'S\(1\)'\}\)"):
         propagate(torch.fx.GraphModule(torch.nn.Module(), g), {x: Shard(1)}, 2)
 
@@ -113,12 +121,13 @@ def test_megatron_pairs_are_found_from_the_graph():
     plan = megatron_plan(cap)
     want = {n: p for n in cap.param_names for g, p in MEGATRON_LLAMA.items() if fnmatch.fnmatch(n, g)}
     assert plan == want
-    # GPT-2's fused QKV would be split along its shard by the q/k/v split: that pair is left whole,
-    # the MLP's is split (with the column-parallel bias)
+    # GPT-2's fused QKV is split into q, k and v along the product's output: its weight and bias are
+    # cut in 3 blocks, so each rank holds its heads of each; the MLP's pair is split with its bias
     _, cap = captured("gpt")
     plan = megatron_plan(cap)
     assert plan["blocks.0.fc.weight"] == Shard(0) and plan["blocks.0.fc.bias"] == Shard(0)
-    assert plan["blocks.0.out.weight"] == Shard(1) and not any("qkv" in n or "proj" in n for n in plan)
+    assert plan["blocks.0.out.weight"] == Shard(1) and plan["blocks.0.attn.proj.weight"] == Shard(1)
+    assert plan["blocks.0.attn.qkv.weight"] == plan["blocks.0.attn.qkv.bias"] == Shard(0, groups=3)
 
 
 def test_the_partitioned_llama_step_runs_on_local_shards():

@@ -48,22 +48,51 @@ def test_sequence_parallel_parity_fp64(pools, name, strategy, ws, micro):
 
 
 def test_sequence_parallel_trades_each_all_reduce_for_a_gather_and_a_scatter(pools):
-    """The graph change of sequence parallelism on Llama: the residual stream and its norms in
-    sequence shards, so each layer's 2 forward all-reduces become an all-gather before each
-    column-parallel pair and a reduce-scatter after each row-parallel product, the same again in the
-    backward, and no activation is all-reduced. The tp all-reduces left are of gradients of whole
-    parameters that the sequence shards summed in part: the 5 norms' weights and the token
-    embedding's; the head's input is gathered once (its weight is whole)."""
+    """The graph change of sequence parallelism on Llama: the residual stream, its norms, the head and
+    the loss on sequence shards, so each layer's 2 forward all-reduces become an all-gather before
+    each column-parallel pair and a reduce-scatter after each row-parallel product, the same again
+    in the backward, and no activation is all-reduced. Left on tp: the loss's sum and its count of
+    targets (forward), and one all-reduce of the gradients of the whole parameters that the
+    sequence shards made in part: the 5 norms', the embedding's and the head's."""
     info = _check(pools, "llama", "ddp", 2, 2, sequence_parallel=True)
     layers, ph = 2, info["phases"]
-    assert ph[("tp", "all_gather", "fwd")] == 2 * layers + 1
-    assert ph[("tp", "reduce_scatter", "fwd")] == 2 * layers
-    assert ph[("tp", "all_gather", "bwd")] == 2 * layers
-    assert ph[("tp", "reduce_scatter", "bwd")] == 2 * layers
-    assert ph[("tp", "all_reduce", "fwd")] == 0
-    assert ph[("tp", "all_reduce", "bwd")] == (2 * layers + 1) + 1
-    assert info["tp_all_reduced"] == sorted(["tok.weight", "norm.weight"] + [
+    assert ph[("tp", "all_gather", "fwd")] == ph[("tp", "reduce_scatter", "fwd")] == 2 * layers
+    assert ph[("tp", "all_gather", "bwd")] == ph[("tp", "reduce_scatter", "bwd")] == 2 * layers
+    assert ph[("tp", "all_reduce", "fwd")] == 2
+    assert ph[("tp", "all_reduce", "bwd")] == 1  # of them all at once
+    assert info["tp_all_reduced"] == sorted(["tok.weight", "norm.weight", "head.weight"] + [
         f"blocks.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")])
+
+
+def test_gpt_fused_qkv_is_cut_by_heads(pools):
+    """GPT's one q|k|v product: its weight and bias are cut in 3 blocks (each rank holds its heads of
+    q, k and v), so attention splits by heads like Llama's, with Megatron's count of collectives,
+    with and without sequence parallelism."""
+    for sp, want in ((False, {("all_reduce", "fwd"): 4, ("all_reduce", "bwd"): 4}),
+                     (True, {("all_gather", "fwd"): 4, ("reduce_scatter", "fwd"): 4, ("all_reduce", "fwd"): 2,
+                             ("all_gather", "bwd"): 4, ("reduce_scatter", "bwd"): 4, ("all_reduce", "bwd"): 1})):
+        info = _check(pools, "gpt", "ddp", 2, 2, sequence_parallel=sp)
+        assert {k[1:]: v for k, v in info["phases"].items() if k[0] == "tp"} == want
+    whole = dict(harness.make_model("gpt", "fp64").named_parameters())
+    assert tuple(info["shapes"]["blocks.0.attn.qkv.weight"]) == (whole["blocks.0.attn.qkv.weight"].shape[0] // 2, 32)
+    row = next(ln for ln in info["explain"].splitlines() if ln.strip().startswith("blocks.0.attn.qkv.weight"))
+    assert "tp S(0)x3" in row
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hugging_face_models_under_tp_and_sp(pools, kind):
+    """HF LlamaForCausalLM and GPT2LMHeadModel (Conv1D, fused c_attn) unmodified: the plan found
+    from their graphs, the same collectives as the built-in models, the same training as one device."""
+    ref_losses, ref_sd = harness.hf_reference(kind, 1, 3)
+    for sp in (False, True):
+        losses, sd, counts = pools(2).run(harness.hf_tp_run, kind, "zero3", 3, 2, sequence_parallel=sp)[0]
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
+        assert rel_param_err(sd, ref_sd) <= 1e-10
+        if sp:
+            assert counts[("all_gather", "fwd")] == counts[("reduce_scatter", "fwd")] == 4
+            assert counts[("all_gather", "bwd")] == counts[("reduce_scatter", "bwd")] == 4
+        else:
+            assert dict(counts) == {("all_reduce", "fwd"): 4, ("all_reduce", "bwd"): 4}
 
 
 def test_tp_fp32_20_steps_as_exact_as_single_device_fp32(pools):

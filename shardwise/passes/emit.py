@@ -170,9 +170,9 @@ def reduce_scatter(
 
 def all_reduce_many(
     g: fx.Graph, xs: list[fx.Node], ranks: int, group: str, *, op: str = "avg", phase: str = "bwd", params=(),
-    stage: str | None = None,
+    stage: str | None = None, axis: str = "dp",
 ) -> list[fx.Node]:
-    """All-reduce several same-dtype tensors as one flat bucket; returns the reduced tensors."""
+    """All-reduce several same-dtype tensors as one flat bucket (on mesh ``axis``); returns the reduced tensors."""
     if ranks == 1:
         return list(xs)
     vs = [val(x) for x in xs]
@@ -181,7 +181,7 @@ def all_reduce_many(
     flats = [reshape(g, x, [n]) for x, n in zip(xs, sizes)]
     total = sum(sizes)
     flat = flats[0] if len(flats) == 1 else node(g, aten.cat.default, (flats,), fake([total], dtype, device))
-    c = collective("all_reduce", total * dtype.itemsize, ranks, phase, params)
+    c = collective("all_reduce", total * dtype.itemsize, ranks, phase, params, axis=axis)
     red = start_and_wait(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, c, stage)
     if len(xs) == 1:
         return [reshape(g, red, vs[0].shape)]

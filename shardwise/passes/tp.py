@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import fnmatch
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -34,7 +35,8 @@ from ..sharding.rules import marks
 from . import emit
 
 aten = torch.ops.aten
-_SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+_SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+          aten.slice_backward.default, aten.select_backward.default)
 
 
 def seeds_of(cap: Capture, plan: dict, ranks: int = 1) -> dict[str, object]:
@@ -48,11 +50,12 @@ def seeds_of(cap: Capture, plan: dict, ranks: int = 1) -> dict[str, object]:
                              f"{', '.join(cap.param_names[:6])}, ...)")
     for n, shape in zip(cap.param_names, cap.param_shapes):
         g, p = next(((g, p) for g, p in plan.items() if fnmatch.fnmatch(n, g)), (None, Replicate()))
-        if isinstance(p, Shard) and not (-len(shape) <= p.dim < len(shape) and shape[p.dim] % ranks == 0):
+        if isinstance(p, Shard) and not (-len(shape) <= p.dim < len(shape) and shape[p.dim] % (ranks * p.groups) == 0):
+            cut = f"{p.groups} blocks of {ranks} tp ranks" if p.groups > 1 else f"{ranks} tp ranks"
             why = (f"it has {len(shape)} dims" if not -len(shape) <= p.dim < len(shape)
-                   else f"its dim {p.dim} has {shape[p.dim]} entries, which {ranks} tp ranks do not divide")
+                   else f"its dim {p.dim} has {shape[p.dim]} entries, which {cut} do not divide")
             raise ValueError(f"tp_plan: {g!r} -> {p} cannot shard {n} of shape {tuple(shape)}: {why}")
-        out[n] = Shard(p.dim % len(shape)) if isinstance(p, Shard) else p
+        out[n] = p.moved(p.dim % len(shape)) if isinstance(p, Shard) else p
     return out
 
 
@@ -94,6 +97,28 @@ def sequence_marks(g: fx.Graph, fwd: set, ranks: int) -> dict:
     return prefer
 
 
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+          aten.permute.default)
+
+
+def _merge_views(g: fx.Graph) -> None:
+    """One node for equal views of one value (a norm's output viewed alike for q, k and v): a gather
+    the view needs is then made once for all its readers."""
+    seen: dict[tuple, fx.Node] = {}
+
+    def key(a):
+        return tuple(key(x) for x in a) if isinstance(a, (list, tuple)) else a
+
+    for n in list(g.nodes):
+        if n.op == "call_function" and n.target in _VIEWS and not n.kwargs:
+            k = (n.target, key(n.args))
+            if k in seen:
+                n.replace_all_uses_with(seen[k])
+                g.erase_node(n)
+            else:
+                seen[k] = n
+
+
 def partition(cap: Capture, plan: dict, ranks: int, group: str,
               sequence_parallel: bool = False) -> tuple[Capture, Propagation]:
     """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
@@ -102,6 +127,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str,
     gm = copy.deepcopy(cap.gm)
     g = gm.graph
     _decompose_addmm(g)
+    _merge_views(g)
     phs = g.find_nodes(op="placeholder")
     params = dict(zip(phs[: cap.n_params], cap.param_names))
     by_name = seeds_of(cap, plan, ranks)
@@ -113,36 +139,70 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str,
     fwd = forward_nodes(gm)
     prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer)
     pl = prop.placements
-    index_inputs: dict[int, fx.Node] = {}
+    index_inputs: dict[tuple, fx.Node] = {}
 
-    def index_of(d_size: int) -> fx.Node:
-        """The input holding this rank's indices into a dim of ``d_size`` (made once per size)."""
-        if d_size not in index_inputs:
+    def index_of(d_size: int, groups: int = 1) -> fx.Node:
+        """The input holding this rank's indices into a dim of ``d_size`` cut in ``groups`` blocks
+        (made once per size and cut)."""
+        if (d_size, groups) not in index_inputs:
             last = g.find_nodes(op="placeholder")[-1]
             with g.inserting_before(last.next):
-                ph = g.placeholder(f"tp_index_{d_size}")
+                ph = g.placeholder(f"tp_index_{d_size}" + (f"x{groups}" if groups > 1 else ""))
             ph.meta["val"] = emit.fake([d_size // ranks], torch.long, _device(phs))
-            index_inputs[d_size] = ph
-        return index_inputs[d_size]
+            index_inputs[(d_size, groups)] = ph
+        return index_inputs[(d_size, groups)]
 
     # a gradient output's parameter, to name in the collective that places it
     out_args = g.find_nodes(op="output")[0].args[0]
     grad_of = {a: params[ph] for a, ph in zip(out_args[1:], grads) if isinstance(a, fx.Node)}
-    # the collectives, one per value and placement it is moved to, right after the value is made
+    # the collectives, one per value and placement it is moved to, right after the value is made;
+    # the partial gradients of whole parameters (under sequence parallelism: the norms', the
+    # embedding's) are summed in one all-reduce of them all, after the last is made
+    out_node = g.find_nodes(op="output")[0]
+    grad_sums = []
+    gathered: dict[fx.Node, fx.Node] = {}  # a value -> its whole copy
     for r in prop.collectives():
         readers = [x.node for x in prop.reshards if x.arg is r.arg and x.dst == r.dst]
-        at = r.arg if r.arg.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
-        named = tuple(grad_of[r.arg] for u in readers[:1] if u.op == "output" and r.arg in grad_of)
-        with g.inserting_before(at.next):
-            new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, "fwd" if r.arg in fwd else "bwd", named)
+        if r.kind == "all_reduce" and readers == [out_node] and r.arg in grad_of:
+            grad_sums.append(r.arg)
+            continue
+        phase = "fwd" if r.arg in fwd else "bwd"
+        if r.kind == "all_gather":
+            # views of one value gathered alike (dy and dy^T for a product's two gradients): the value
+            # is gathered once and each view taken again on the whole copy
+            chain, root = [], r.arg
+            while root.target in _VIEWS and isinstance(pl.get(root.args[0]), Shard):
+                chain.append(root)
+                root = root.args[0]
+            if root not in gathered:
+                at = root if root.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
+                with g.inserting_before(at.next):
+                    gathered[root] = _reshard(g, root, pl[root], Replicate(), ranks, group, index_of, phase)
+            new = gathered[root]
+            with g.inserting_before(new.next):
+                for v in reversed(chain):
+                    new = emit.node(g, v.target, (new, *v.args[1:]), v.meta["val"])
+            gathered[r.arg] = new
+        else:
+            at = r.arg if r.arg.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
+            with g.inserting_before(at.next):
+                new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, phase)
         for u in readers:
             u.replace_input_with(r.arg, new)
         pl[new] = r.dst
+    _sum_gradients(g, grad_sums, grad_of, ranks, group, pl)
+    for n in g.find_nodes(op="call_function", target=aten.nll_loss_forward.default):
+        if isinstance(pl.get(n), tuple) and isinstance(pl[n][0], Partial):
+            _nll_on_rows(g, n, ranks, group, "fwd" if n in fwd else "bwd")
     marks.remove(g)
     # local sizes where ops were traced with the whole ones
     for n in g.nodes:
         if n.op == "call_function" and n.target in _SIZED and isinstance(pl.get(n), Shard):
             n.args = (n.args[0], local_shape(n.args[1], pl[n], ranks), *n.args[2:])
+        elif n.target in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(pl.get(n.args[0]), Shard) \
+                and pl[n.args[0]].groups > 1 and pl[n.args[0]].dim == _split_dim(n):
+            k = n.args[1]
+            n.args = (n.args[0], [x // ranks for x in k] if isinstance(k, (list, tuple)) else k // ranks, *n.args[2:])
         elif n.target is aten.embedding_dense_backward.default and pl.get(n) == Shard(0):
             n.args = (n.args[0], n.args[1], n.args[2] // ranks, *n.args[3:])
     # the inputs' local values, and every value traced again on them
@@ -165,6 +225,52 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str,
     return local, prop
 
 
+def _sum_gradients(g, xs, grad_of, ranks, group, pl):
+    """One all-reduce per dtype of the partial gradients ``xs``, after the last of them is made."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    out = g.find_nodes(op="output")[0]
+    by_dtype: dict = {}
+    for x in xs:
+        by_dtype.setdefault(x.meta["val"].dtype, []).append(x)
+    for group_xs in by_dtype.values():
+        last = max(group_xs, key=order.__getitem__)
+        with g.inserting_after(last):
+            anchor = g.call_function(torch.ops.aten.alias.default, (last,))  # keeps the insertion point
+        anchor.meta["val"] = last.meta["val"]
+        with g.inserting_before(anchor):
+            summed = emit.all_reduce_many(g, group_xs, ranks, group, op="sum", phase="bwd", axis="tp",
+                                          params=tuple(grad_of[x] for x in group_xs))
+        g.erase_node(anchor)
+        for x, y in zip(group_xs, summed):
+            out.replace_input_with(x, y)
+            pl[y] = Replicate()
+
+
+def _split_dim(n: fx.Node) -> int:
+    d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    return d % n.args[0].meta["val"].dim()
+
+
+def _nll_on_rows(g, n, ranks, group, phase):
+    """The loss of this rank's rows: its sum, over the count of targets of every rank (a mean), so
+    the ranks' losses add up to the whole mean; the count, whole, is what the gradient divides by."""
+    x, target, w, reduction, ignore = n.args
+    v = n.meta["val"]
+    with g.inserting_before(n):
+        local = emit.node(g, aten.nll_loss_forward.default, (x, target, w, 2, ignore), v)  # 2: sum
+        s_l = emit.node(g, operator.getitem, (local, 0), v[0])
+        tw_l = emit.node(g, operator.getitem, (local, 1), v[1])
+        c = emit.collective("all_reduce", v[1].numel() * v[1].dtype.itemsize, ranks, phase, axis="tp")
+        tw = emit.start_and_wait(g, emit.c10d.all_reduce.default, (tw_l, "sum", group), list(v[1].shape),
+                                 v[1].dtype, v[1].device, c)
+        out = emit.node(g, aten.div.Tensor, (s_l, tw), v[0]) if reduction == 1 else s_l
+    for u in list(n.users):
+        if u.target is operator.getitem:
+            u.replace_all_uses_with(out if u.args[1] == 0 else tw)
+            g.erase_node(u)
+    g.erase_node(n)
+
+
 def _device(phs):
     return next((p.meta["val"].device for p in phs if isinstance(p.meta.get("val"), torch.Tensor)), "cpu")
 
@@ -177,18 +283,17 @@ def _strides(shape):
     return tuple(reversed(st))
 
 
-def _reshard(g, x, src, dst, ranks, group, index_of, phase, params=()):
-    """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis, in ``phase`` of the step
-    (``params``: the parameters whose gradient it is)."""
+def _reshard(g, x, src, dst, ranks, group, index_of, phase):
+    """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis, in ``phase`` of the step."""
     v = x.meta["val"]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, params, axis="tp")
+        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp")
         return emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
                                    list(v.shape), v.dtype, v.device, c)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return _gather(g, x, src.dim, ranks, group, phase)
+        return _gather(g, x, src, ranks, group, phase)
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return _scatter(g, x, dst.dim, ranks, group, phase)
+        return _scatter(g, x, dst, ranks, group, phase)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         # the value on the first rank, zeros on the others: this rank's index into a dim of ``ranks``
         # entries is its rank
@@ -196,17 +301,18 @@ def _reshard(g, x, src, dst, ranks, group, index_of, phase, params=()):
         first = emit.node(g, aten.view.default, (first, []), emit.fake([], torch.bool, v.device))
         return emit.node(g, aten.mul.Tensor, (x, first), emit.fake(list(v.shape), v.dtype, v.device))
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        idx = index_of(v.shape[dst.dim])
+        idx = index_of(v.shape[dst.dim], dst.groups)
         return emit.node(g, aten.index_select.default, (x, dst.dim, idx),
                          emit.fake(local_shape(v.shape, dst, ranks), v.dtype, v.device))
     raise NotImplementedError(f"tp: moving {x.name} from {src} to {dst} is not built yet")
 
 
-def _gather(g, x, d, ranks, group, phase):
-    """All-gather of a shard on dim ``d``: the shards meet along dim 0, so another dim is moved there
-    first and back after."""
-    v = x.meta["val"]  # the global value: local along d
-    local = local_shape(v.shape, Shard(d), ranks)
+def _gather(g, x, p, ranks, group, phase):
+    """All-gather of shard ``p``: the pieces meet along dim 0, so another dim is moved there first
+    and back after; the pieces of a cut in blocks are put back in block order between."""
+    v = x.meta["val"]  # the global value: local along the dim
+    d = p.dim
+    local = local_shape(v.shape, p, ranks)
     perm = [d] + [i for i in range(len(local)) if i != d]
     y = x if d == 0 else emit.node(g, aten.permute.default, (x, perm),
                                    emit.fake([local[i] for i in perm], v.dtype, v.device))
@@ -216,20 +322,36 @@ def _gather(g, x, d, ranks, group, phase):
     c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, phase, axis="tp")
     out = emit.start_and_wait(g, emit.c10d.all_gather_into_tensor.default, (y, ranks, group), full, v.dtype,
                               v.device, c)
+    if p.groups > 1:  # [rank, block, piece] -> [block, rank, piece]
+        k = p.groups
+        split = [ranks, k, moved[0] // k, *moved[1:]]
+        out = emit.node(g, aten.view.default, (out, split), emit.fake(split, v.dtype, v.device))
+        swapped = [k, ranks, *split[2:]]
+        out = emit.node(g, aten.transpose.int, (out, 0, 1), emit.fake(swapped, v.dtype, v.device))
+        out = emit.node(g, aten.reshape.default, (out, full), emit.fake(full, v.dtype, v.device))
     if d == 0:
         return out
     back = [perm.index(i) for i in range(len(perm))]
     return _contiguous(g, emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device)))
 
 
-def _scatter(g, x, d, ranks, group, phase):
-    """Reduce-scatter of a partial sum to its shard on dim ``d``: dim ``d`` is moved to dim 0, where
-    the pieces are cut, and back after."""
+def _scatter(g, x, p, ranks, group, phase):
+    """Reduce-scatter of a partial sum to shard ``p``: its dim is moved to dim 0, where the pieces
+    are cut (a cut in blocks: each rank's pieces of every block put side by side first), and back after."""
     v = x.meta["val"]
+    d = p.dim
     perm = [d] + [i for i in range(v.dim()) if i != d]
     moved = [v.shape[i] for i in perm]
     y = x if d == 0 else emit.node(g, aten.permute.default, (x, perm), emit.fake(moved, v.dtype, v.device))
-    y = emit.contiguous(g, y)
+    if p.groups > 1:  # [block, rank, piece] -> [rank, block, piece]
+        k = p.groups
+        split = [k, ranks, moved[0] // (k * ranks), *moved[1:]]
+        y = emit.node(g, aten.reshape.default, (y, split), emit.fake(split, v.dtype, v.device))
+        swapped = [ranks, k, *split[2:]]
+        y = emit.node(g, aten.transpose.int, (y, 0, 1), emit.fake(swapped, v.dtype, v.device))
+        y = emit.node(g, aten.reshape.default, (y, moved), emit.fake(moved, v.dtype, v.device))
+    else:
+        y = emit.contiguous(g, y)
     local = [moved[0] // ranks, *moved[1:]]
     c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp")
     out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,
@@ -238,13 +360,35 @@ def _scatter(g, x, d, ranks, group, phase):
         return out
     back = [perm.index(i) for i in range(len(perm))]
     return _contiguous(g, emit.node(g, aten.permute.default, (out, back),
-                                    emit.fake(local_shape(v.shape, Shard(d), ranks), v.dtype, v.device)))
+                                    emit.fake(local_shape(v.shape, p, ranks), v.dtype, v.device)))
 
 
 def _contiguous(g, x):
     """A permuted collective's result laid out in order again (views of it follow)."""
     v = x.meta["val"]
     return emit.node(g, aten.clone.default, (x,), v, memory_format=torch.contiguous_format)
+
+
+def _fused_blocks(mm: fx.Node) -> int:
+    """How many equal blocks a product's output is split into along its last dim, through its bias
+    and views that keep that dim (a fused q|k|v: 3), or 1: its weight is then cut in as many blocks,
+    so each rank holds its heads of each."""
+    n = mm
+    while len(n.users) == 1:
+        (u,) = n.users
+        last = n.meta["val"].shape[-1]
+        if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            d = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+            sizes = [v.shape[-1] for v in u.meta["val"]]
+            if d % n.meta["val"].dim() == n.meta["val"].dim() - 1 and len(sizes) > 1 and len(set(sizes)) == 1:
+                return len(sizes)
+            return 1
+        if u.target in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
+                and u.meta["val"].shape[-1] == last:
+            n = u
+            continue
+        return 1
+    return 1
 
 
 def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
@@ -254,13 +398,16 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
     the weights are constants: any op may read them); a product whose activation operand lies in a
     region is row-parallel, and ends it. The region's products' weights split along their output dim,
     the row-parallel ones' along their input dim; products that end in no row-parallel one stay whole
-    (the LM head), and so does a pair whose region would need a gather between its products (a fused
-    QKV split along the shard: GPT-2's), found by propagating the plan."""
+    (the LM head), and so does a pair whose region would need a gather between its products, found by
+    propagating the plan. A product whose output is split in equal blocks (GPT-2's fused q|k|v) has
+    its weight cut in as many blocks (``Shard(d, groups=3)``), so each rank's piece holds its heads
+    of q, of k and of v."""
     from ..sharding.propagate import propagate as place_all
 
     gm = copy.deepcopy(cap.gm)
     g = gm.graph
     _decompose_addmm(g)
+    _merge_views(g)
     phs = g.find_nodes(op="placeholder")
     names = dict(zip(phs[: cap.n_params], cap.param_names))
     batch = set(phs[cap.n_params + len(cap.buffer_names):])
@@ -301,9 +448,10 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
 
     def add(row, cols):
         for c in cols:
-            plan[linear[c][0]] = Shard(linear[c][1])
-            if c in bias and linear[c][1] == 0:
-                plan[bias[c]] = Shard(0)
+            k = _fused_blocks(c)
+            plan[linear[c][0]] = Shard(linear[c][1], k)
+            if c in bias:
+                plan[bias[c]] = Shard(0, k)  # its one dim is the product's output dim
         plan[linear[row][0]] = Shard(1 - linear[row][1])
 
     for row, cols in rows.items():

@@ -294,14 +294,16 @@ class TensorParallel:
         d = self.dim(name)
         if d is None:
             return p
-        return nn.Parameter(p.detach().chunk(self.ranks, d)[self.rank].clone(), requires_grad=p.requires_grad)
+        piece = self.placements[name].local(p.detach(), self.rank, self.ranks)
+        return nn.Parameter(piece.contiguous(), requires_grad=p.requires_grad)
 
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         d = self.dim(name)
         if d is None:
             return local
         moved = local.movedim(d, 0).contiguous()
-        return _all_gather(moved, self.ranks, self.group).movedim(0, d)
+        pieces = _all_gather(moved, self.ranks, self.group).movedim(0, d)
+        return self.placements[name].whole(pieces, self.ranks)
 
     def sharded(self, name: str) -> bool:
         return self.dim(name) is not None

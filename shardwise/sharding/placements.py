@@ -10,12 +10,45 @@ import torch
 
 @dataclass(frozen=True)
 class Shard:
-    """Split along tensor dim ``dim`` into equal, zero-padded pieces, one per rank of the axis."""
+    """Split along tensor dim ``dim`` into equal, zero-padded pieces, one per rank of the axis.
+
+    With ``groups`` > 1 the dim is that many equal blocks (the q, k and v of a fused product's output;
+    the sequences of a batch flattened into rows), each split into per-rank pieces: a rank holds its
+    piece of every block, side by side in block order.
+
+        >>> import torch
+        >>> x = torch.arange(12)
+        >>> Shard(0, groups=3).local(x, 1, 2).tolist()
+        [2, 3, 6, 7, 10, 11]
+        >>> pieces = torch.cat([Shard(0, groups=3).local(x, r, 2) for r in range(2)])
+        >>> torch.equal(Shard(0, groups=3).whole(pieces, 2), x)
+        True
+    """
 
     dim: int = 0
+    groups: int = 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.groups == 1 else f"S({self.dim})x{self.groups}"
+
+    def moved(self, dim: int) -> "Shard":
+        """The same cut of a dim that is now ``dim``."""
+        return Shard(dim, self.groups)
+
+    def local(self, full: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+        """This rank's piece of ``full`` (a new tensor)."""
+        return torch.cat([b.chunk(ranks, self.dim)[rank] for b in full.chunk(self.groups, self.dim)], self.dim)
+
+    def whole(self, pieces: torch.Tensor, ranks: int) -> torch.Tensor:
+        """The full tensor from the ranks' pieces concatenated in rank order along the dim."""
+        if self.groups == 1:
+            return pieces
+        parts = [p.chunk(self.groups, self.dim) for p in pieces.chunk(ranks, self.dim)]
+        return torch.cat([parts[r][b] for b in range(self.groups) for r in range(ranks)], self.dim)
+
+    def indices(self, size: int, rank: int, ranks: int) -> torch.Tensor:
+        """The indices into a dim of ``size`` entries that this rank's piece holds."""
+        return torch.arange(size).view(self.groups, ranks, -1)[:, rank].reshape(-1)
 
 
 @dataclass(frozen=True)

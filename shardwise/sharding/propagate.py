@@ -91,9 +91,10 @@ class Propagation:
 
 def check_divisible(node: fx.Node, p, ranks: int, names: dict | None = None) -> None:
     v = val(node)
-    if isinstance(p, Shard) and v is not None and v.shape[p.dim] % ranks:
+    if isinstance(p, Shard) and v is not None and v.shape[p.dim] % (ranks * p.groups):
+        cut = f"{p.groups} blocks over {ranks} ranks" if p.groups > 1 else f"over {ranks} ranks"
         raise ShardingError(f"{(names or {}).get(node, node.name)} ({node.target}) of shape {tuple(v.shape)} would be sharded on dim {p.dim} "
-                            f"over {ranks} ranks, which do not divide its {v.shape[p.dim]}: choose a tensor-parallel "
+                            f"{cut}, which do not divide its {v.shape[p.dim]}: choose a tensor-parallel "
                             f"size that divides it, or replicate the parameter feeding it in the tp plan")
 
 

@@ -22,7 +22,7 @@ def val(n) -> torch.Tensor | None:
 
 def norm(p, ndim: int):
     """A placement with a negative shard dim made positive."""
-    return Shard(p.dim % ndim) if isinstance(p, Shard) and p.dim < 0 else p
+    return p.moved(p.dim % ndim) if isinstance(p, Shard) and p.dim < 0 else p
 
 
 def dim(d: int, ndim: int) -> int:

@@ -1,12 +1,15 @@
-"""Losses: the negative log-likelihood over a whole row of logits and a mean over the whole batch,
-so every input whole (a vocab-parallel loss is the tensor-parallel pass's to build)."""
+"""Losses: the negative log-likelihood of rows of log-probabilities. Rows whole on every rank: the
+loss whole. Rows in shards (tokens under sequence parallelism) with whole classes: each rank's loss
+is a partial sum and the count of its targets is summed over the axis, which the partitioner does
+(passes/tp.py: a mean becomes this rank's sum over the whole count); the gradient keeps the rows' shard."""
 
 from __future__ import annotations
 
 import torch
 
 from ..ops import register
-from .base import R, outputs_like, tensors
+from ..placements import Partial, Shard
+from .base import R, outputs_like, tensors, val
 
 aten = torch.ops.aten
 
@@ -15,5 +18,33 @@ def whole(node, place, ranks):
     return {a: R for a in tensors(node) if place(a) != R}, outputs_like(node, R)
 
 
-register(aten.nll_loss_forward.default, aten.nll_loss_backward.default, aten.nll_loss2d_forward.default,
-         aten.nll_loss2d_backward.default, rule=whole)
+def _rows(node, place):
+    """The rows' shard of ``node``'s log-probabilities (2-d, classes whole), or None."""
+    x = node.args[0] if node.target is aten.nll_loss_forward.default else node.args[1]
+    p = place(x)
+    return p if isinstance(p, Shard) and p.dim == 0 and val(x).dim() == 2 else None
+
+
+def _weight_whole(node, w):
+    return w is None or not isinstance(w, torch.fx.Node) or val(w) is None
+
+
+def nll_loss_forward(node, place, ranks):
+    x, target, w = node.args[0], node.args[1], node.args[2]
+    p = _rows(node, place)
+    if p is None or not _weight_whole(node, w) and place(w) != R:
+        return whole(node, place, ranks)
+    return ({target: p} if place(target) != p else {}), (Partial(), R)
+
+
+def nll_loss_backward(node, place, ranks):
+    grad, x, target, w, _, _, tw = node.args[:7]
+    p = _rows(node, place)
+    if p is None or place(grad) != R or place(tw) != R:
+        return whole(node, place, ranks)
+    return ({target: p} if place(target) != p else {}), p
+
+
+register(aten.nll_loss_forward.default, rule=nll_loss_forward)
+register(aten.nll_loss_backward.default, rule=nll_loss_backward)
+register(aten.nll_loss2d_forward.default, aten.nll_loss2d_backward.default, rule=whole)

@@ -29,24 +29,24 @@ def _einsum(a_dims: str, b_dims: str, out_dims: str, node, place):
     contracted = set(a_dims) & set(b_dims) - set(out_dims)
     if la is None and lb is None:
         return {}, R
-    if la is not None and lb is not None and la != lb:
-        # different letters: gather one operand, the one that leaves the output whole-summed (no
-        # partial to reduce after); the left one where both do (the right is the weight in
-        # ``x @ W``, whose shard stays: sequence parallelism gathers the activation)
-        if _out(lb, a_dims, out_dims, contracted) != Partial():
-            return {a: R}, _out(lb, a_dims, out_dims, contracted)
-        return {b: R}, _out(la, a_dims, out_dims, contracted)
-    letter = la or lb
+    if la is not None and lb is not None and (la != lb or pa.groups != pb.groups):
+        # different letters (or cuts): gather one operand, the one that leaves the output whole-
+        # summed (no partial to reduce after); the left one where both do (the right is the weight
+        # in ``x @ W``, whose shard stays: sequence parallelism gathers the activation)
+        if _out(lb, pb, out_dims, contracted) != Partial():
+            return {a: R}, _out(lb, pb, out_dims, contracted)
+        return {b: R}, _out(la, pa, out_dims, contracted)
+    letter, p = (la, pa) if la is not None else (lb, pb)
     need = {}
     if letter in contracted or letter in set(a_dims) & set(b_dims):  # both operands have it
-        for x, dims, p in ((a, a_dims, pa), (b, b_dims, pb)):
-            if p == R:
-                need[x] = Shard(dims.index(letter))  # the replicated operand's local slice
-    return need, _out(letter, a_dims, out_dims, contracted)
+        for x, dims, q in ((a, a_dims, pa), (b, b_dims, pb)):
+            if q == R:
+                need[x] = p.moved(dims.index(letter))  # the replicated operand's local slice
+    return need, _out(letter, p, out_dims, contracted)
 
 
-def _out(letter, a_dims, out_dims, contracted):
-    return Partial() if letter in contracted else Shard(out_dims.index(letter))
+def _out(letter, p, out_dims, contracted):
+    return Partial() if letter in contracted else p.moved(out_dims.index(letter))
 
 
 def mm(node, place, ranks):

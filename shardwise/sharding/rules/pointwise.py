@@ -54,29 +54,29 @@ def pointwise_rule(node: fx.Node, place, ranks: int):
             for a in partial:
                 k = out.dim - (nd - val(a).dim())
                 full = k >= 0 and val(a).shape[k] == val(node).shape[out.dim] and val(a).shape[k] != 1
-                need[a] = Shard(k) if full else R
+                need[a] = out.moved(k) if full else R
             return need, out
         return {a: R for a in partial}, _pointwise(node, ins, lambda a: R if a in partial else place(a), nd)[1]
     return _pointwise(node, ins, place, nd)
 
 
 def _pointwise(node, ins, place, nd):
-    out_dims = {}
+    outs = set()
     for a in ins:
         p = place(a)
         if isinstance(p, Shard):
-            out_dims.setdefault(p.dim + nd - val(a).dim(), a)
-    if not out_dims:
+            outs.add(p.moved(p.dim + nd - val(a).dim()))
+    if not outs:
         return {}, R
-    if len(out_dims) > 1:  # shards on different dims: gather all (rare: no model of ours does it)
+    if len(outs) > 1:  # shards of different dims or cuts: gather all (rare: no model of ours does it)
         return {a: R for a in ins}, R
-    (d, _), = out_dims.items()
+    (o,) = outs
     need = {}
     for a in ins:
-        k = d - (nd - val(a).dim())
-        if k >= 0 and place(a) == R and val(a).shape[k] == val(node).shape[d] and val(a).shape[k] != 1:
-            need[a] = Shard(k)  # a replicated operand at full size: its local slice
-    return need, Shard(d)
+        k = o.dim - (nd - val(a).dim())
+        if k >= 0 and place(a) == R and val(a).shape[k] == val(node).shape[o.dim] and val(a).shape[k] != 1:
+            need[a] = o.moved(k)  # a replicated operand at full size: its local slice
+    return need, o
 
 
 register(aten.detach.default, aten.alias.default, aten.clone.default, rule=pointwise_rule)

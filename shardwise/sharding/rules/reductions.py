@@ -31,7 +31,7 @@ def sum_(node, place, ranks):
     if p.dim in ds:
         return {}, Partial()
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return {}, Shard(p.dim if keep else p.dim - sum(d < p.dim for d in ds))
+    return {}, p.moved(p.dim if keep else p.dim - sum(d < p.dim for d in ds))
 
 
 def mean(node, place, ranks):
@@ -58,6 +58,22 @@ def softmax_backward(node, place, ranks):
     return {a: R for a in (grad, out)}, R
 
 
+def along(node, place, ranks):
+    """An op along one dim (top-k, sort, a max or min with its indices): a shard of another dim passes
+    to every output; its own dim sharded, or a partial value, is needed whole."""
+    x = node.args[0]
+    p, nd = place(x), val(x).dim()
+    d = dim(node.args[2] if node.target is aten.topk.default and len(node.args) > 2
+            else node.args[1] if node.target is not aten.topk.default and len(node.args) > 1 else -1, nd)
+    if isinstance(p, Partial) or isinstance(p, Shard) and p.dim == d:
+        return {x: R}, outputs_like(node, R)
+    keep = node.target is not aten.max.dim and node.target is not aten.min.dim or \
+        (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if isinstance(p, Shard) and not keep and p.dim > d:
+        p = p.moved(p.dim - 1)
+    return {}, outputs_like(node, p)
+
+
 def layer_norm(node, place, ranks):
     x = node.args[0]
     p, nd, k = place(x), val(x).dim(), len(node.args[1])
@@ -80,5 +96,6 @@ register(aten.sum.dim_IntList, aten.sum.default, rule=sum_)
 register(aten.mean.dim, rule=mean)
 register(aten._softmax.default, aten._log_softmax.default, rule=softmax)
 register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default, rule=softmax_backward)
+register(aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim, rule=along)
 register(aten.native_layer_norm.default, rule=layer_norm)
 register(aten.native_layer_norm_backward.default, rule=layer_norm_backward)

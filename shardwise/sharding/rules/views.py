@@ -7,13 +7,14 @@ needs the whole tensor (an all-gather). Partial values pass through every view u
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 
 from ..ops import register
 from ..placements import Partial, Shard
-from .base import R, dim, outputs_like, val
+from .base import R, dim, outputs_like, tensors, val
 
 aten = torch.ops.aten
 
@@ -42,7 +43,7 @@ def transpose(node, place, ranks):
         a, b = dim(node.args[1], nd), dim(node.args[2], nd)
         perm = list(range(nd))
         perm[a], perm[b] = perm[b], perm[a]
-    return {}, Shard(perm.index(p.dim))
+    return {}, p.moved(perm.index(p.dim))
 
 
 @_keep_partial
@@ -51,7 +52,7 @@ def unsqueeze(node, place, ranks):
     if not isinstance(p, Shard):
         return {}, p
     d = dim(node.args[1], val(node).dim())
-    return {}, Shard(p.dim + (p.dim >= d))
+    return {}, p.moved(p.dim + (p.dim >= d))
 
 
 @_keep_partial
@@ -65,7 +66,7 @@ def squeeze(node, place, ranks):
     else:
         ds = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
         gone = [dim(d, len(shape)) for d in ds if shape[dim(d, len(shape))] == 1]
-    return {}, Shard(p.dim - sum(g < p.dim for g in gone))
+    return {}, p.moved(p.dim - sum(g < p.dim for g in gone))
 
 
 @_keep_partial
@@ -73,15 +74,19 @@ def expand(node, place, ranks):
     p = place(node.args[0])
     if not isinstance(p, Shard):
         return {}, p
-    return {}, Shard(p.dim + val(node).dim() - val(node.args[0]).dim())
+    return {}, p.moved(p.dim + val(node).dim() - val(node.args[0]).dim())
 
 
-def reshape_map(src: tuple, dst: tuple, d: int) -> int | None:
-    """The dim of ``dst`` that a shard of dim ``d`` of ``src`` becomes, or None where none can be.
+def reshape_map(src: tuple, dst: tuple, p: Shard, ranks: int) -> Shard | None:
+    """What a shard ``p`` of ``src`` becomes in ``dst`` (a view of the same elements), or None where
+    no shard can say it.
 
-    The shapes split into groups of dims of equal products (a merge, a split, or both). A shard of the
-    group's outermost (non-trivial) dim is a cut of the flattened group into contiguous pieces, which
-    is a shard of the outermost dim of the other side's group; a shard of an inner dim is not."""
+    The shapes split into groups of dims of equal products (a merge, a split, or both). Within its
+    group, the shard cuts the flattened group into ``G`` equal blocks (its groups times the entries
+    of the group's dims before it), each into per-rank pieces; on the other side that is a shard of
+    the dim where the blocks fall whole: the dims before it hold a whole number of blocks, and it
+    holds whole blocks cut into whole pieces. ``[B, T, D]`` sharded on T, viewed ``[B*T, D]``, is
+    ``S(0)xB``; ``[.., 3*D]`` in 3 groups viewed ``[.., 3, H, hd]`` is a plain shard of H."""
     i = j = 0
     while i < len(src) and j < len(dst):
         gi, gj = [i], [j]
@@ -95,10 +100,18 @@ def reshape_map(src: tuple, dst: tuple, d: int) -> int | None:
                 j += 1
                 b *= dst[j]
                 gj.append(j)
-        if d in gi:
-            if d != next(k for k in gi if src[k] != 1):
-                return None
-            return next((k for k in gj if dst[k] != 1), None)
+        if p.dim in gi:
+            blocks = p.groups * math.prod(src[k] for k in gi if k < p.dim)
+            before = 1
+            for k in gj:
+                if dst[k] != 1 and blocks % before == 0:
+                    g = blocks // before
+                    if dst[k] % g == 0 and (dst[k] // g) % ranks == 0:
+                        return Shard(k, g)
+                before *= dst[k]
+                if before > blocks:
+                    return None
+            return None
         i += 1
         j += 1
     return None
@@ -109,11 +122,10 @@ def reshape(node, place, ranks):
     x, p = node.args[0], place(node.args[0])
     if not isinstance(p, Shard):
         return {}, p
-    src, dst = tuple(val(x).shape), tuple(val(node).shape)
-    out = reshape_map(src, dst, p.dim)
-    if out is None or dst[out] % ranks:
+    out = reshape_map(tuple(val(x).shape), tuple(val(node).shape), p, ranks)
+    if out is None:
         return {x: R}, R
-    return {}, Shard(out)
+    return {}, out
 
 
 @_keep_partial
@@ -136,7 +148,7 @@ def select(node, place, ranks):
     d = dim(node.args[1], val(x).dim())
     if d == p.dim:
         return {x: R}, R
-    return {}, Shard(p.dim - (p.dim > d))
+    return {}, p.moved(p.dim - (p.dim > d))
 
 
 @_keep_partial
@@ -145,8 +157,44 @@ def split(node, place, ranks):
     if isinstance(p, Shard):
         d = dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), val(x).dim())
         if d == p.dim:
+            sizes = [v.shape[d] for v in node.meta["val"]]
+            if p.groups > 1 and len(sizes) == p.groups and len(set(sizes)) == 1:
+                return {}, outputs_like(node, Shard(d))  # the blocks apart: q, k and v each cut alike
             return {x: R}, outputs_like(node, R)
     return {}, outputs_like(node, p)
+
+
+@_keep_partial
+def slice_backward(node, place, ranks):
+    """The gradient of a slice (or select) laid into zeros of the input's size: a shard on another
+    dim passes (the sizes become the local ones)."""
+    g, p = node.args[0], place(node.args[0])
+    if not isinstance(p, Shard):
+        return {}, p
+    nd = len(node.args[1])
+    d = dim(node.args[2], nd)
+    if node.target is aten.select_backward.default:
+        return {}, p.moved(p.dim + (p.dim >= d))  # the selected dim comes back
+    if d == p.dim:
+        return {g: R}, R
+    return {}, p
+
+
+def indexed(node, place, ranks):
+    """``gather``/``scatter`` along ``dim``: the self, index and source tensors alike in a shard of
+    another dim, the output too (each rank's rows read and write their own rows); else all whole."""
+    xs = tensors(node)
+    d = dim(node.args[1], val(node).dim())
+    ps = {place(a) for a in xs}
+    if len(ps) == 1:
+        (p,) = ps
+        if p == R or isinstance(p, Shard) and p.dim != d:
+            return {}, p
+    want = next((place(a) for a in xs if isinstance(place(a), Shard) and place(a).dim != d), R)
+    if want != R and all(place(a) in (R, want) and (place(a) == want or val(a).shape[want.dim] == val(node).shape[want.dim])
+                         for a in xs):
+        return {a: want for a in xs if place(a) != want}, want  # the whole operands' slices
+    return {a: R for a in xs if place(a) != R}, R
 
 
 def cat(node, place, ranks):
@@ -158,6 +206,8 @@ def cat(node, place, ranks):
         (p,) = ps
         if not (isinstance(p, Shard) and p.dim == d):
             return {}, p
+        if p.groups == 1 and len(xs) > 1 and len({val(a).shape[d] for a in xs}) == 1:
+            return {}, Shard(d, len(xs))  # equal pieces side by side: a cut in as many blocks (split's inverse)
     return {a: R for a in xs}, R
 
 
@@ -176,4 +226,7 @@ register(aten.slice.Tensor, rule=slice_)
 register(aten.select.int, rule=select)
 register(aten.split.Tensor, aten.split_with_sizes.default, rule=split)
 register(aten.cat.default, rule=cat)
+register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two,
+         rule=indexed)
+register(aten.slice_backward.default, aten.select_backward.default, rule=slice_backward)
 register(operator.getitem, rule=getitem)
