@@ -31,7 +31,7 @@ class Shard:
     def __str__(self) -> str:
         return f"S({self.dim})" if self.groups == 1 else f"S({self.dim})x{self.groups}"
 
-    def moved(self, dim: int) -> "Shard":
+    def moved(self, dim: int) -> Shard:
         """The same cut of a dim that is now ``dim``."""
         return Shard(dim, self.groups)
 

@@ -25,20 +25,20 @@ def _rows(node, place):
     return p if isinstance(p, Shard) and p.dim == 0 and val(x).dim() == 2 else None
 
 
-def _weight_whole(node, w):
+def _weight_whole(w):
     return w is None or not isinstance(w, torch.fx.Node) or val(w) is None
 
 
 def nll_loss_forward(node, place, ranks):
-    x, target, w = node.args[0], node.args[1], node.args[2]
+    target, w = node.args[1], node.args[2]
     p = _rows(node, place)
-    if p is None or not _weight_whole(node, w) and place(w) != R:
+    if p is None or not _weight_whole(w) and place(w) != R:
         return whole(node, place, ranks)
     return ({target: p} if place(target) != p else {}), (Partial(), R)
 
 
 def nll_loss_backward(node, place, ranks):
-    grad, x, target, w, _, _, tw = node.args[:7]
+    grad, _, target, _, _, _, tw = node.args[:7]
     p = _rows(node, place)
     if p is None or place(grad) != R or place(tw) != R:
         return whole(node, place, ranks)
