@@ -363,6 +363,25 @@ def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = 
     return losses, norms, ev, job.full_state_dict()
 
 
+def tp_peak(tp: int | None, sp: bool, strategy: str = "ddp", batch: int = 4):
+    """(measured peak bytes of a step on this rank, the predicted peak, parameter bytes on this rank) of
+    the small Llama on a mesh of ``tp`` tensor-parallel ranks (with sequence parallelism: ``sp``)."""
+    from shardwise.runtime.memory import measure
+
+    torch.manual_seed(0)
+    model = build("llama", "small")
+    mesh = sw.mesh(tp=tp)
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh,
+                     **({"sequence_parallel": True} if sp else {}))
+    g = torch.Generator().manual_seed(mesh.rank("dp"))
+    x = torch.randint(0, 256, (batch, 65), generator=g)
+    b = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
+    predicted = job.predict_memory(b)["peak"]
+    job.step(b)
+    _, peak = measure(job, lambda: job.step(b))
+    return peak, predicted, sum(t.numel() * t.element_size() for t in job.state.opt_tensors.values())
+
+
 def accumulation_peak(strategy: str, micro: int = 4):
     """(peak bytes on this rank during a step of ``micro`` micro-batches, fp32 parameter bytes)."""
     from shardwise.runtime.memory import measure
