@@ -171,7 +171,8 @@ class Compiler:
         if placements is None:
             plan = tp_pass.megatron_plan(cap, tp.ranks) if tp.plan == "megatron" else tp.plan
             placements = tp_pass.seeds_of(cap, plan, tp.ranks)
-        return tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel)[0], placements
+        local = tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel, self.ctx.stage)[0]
+        return local, placements
 
     def _compile(self, key, batch, tensors, mode: str) -> None:
         train = mode != "eval"

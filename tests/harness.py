@@ -568,7 +568,8 @@ def predicted_peak(**kw):
 
 # -- tensor parallelism (issue 22) ---------------------------------------------------------------
 
-def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int = 1, over: tuple = (), **compile_kw):
+def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int = 1, over: tuple = (),
+           device: str = "cpu", **compile_kw):
     """Train on a mesh of dp x ``tp`` ranks; the ranks of one tp group take their dp rank's batches.
     Returns (losses, full_state_dict on rank 0, what rank 0's step program holds: its collectives by
     axis and phase, its parameters' local shapes, ``explain``)."""
@@ -576,15 +577,15 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
 
     from shardwise.sharding.collective import collective_of
 
-    model = make_model(name, dtype, **dict(over))
-    mesh = sw.mesh(tp=tp)
+    model = make_model(name, dtype, **dict(over)).to(device)
+    mesh = sw.mesh(tp=tp, device=device)
     job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh, **compile_kw)
     d = mesh.rank("dp")
     losses = []
     for s in range(steps):
-        mbs = [make_batch(name, s * micro + m, d) for m in range(micro)]
+        mbs = [tuple(t.to(device) for t in make_batch(name, s * micro + m, d)) for m in range(micro)]
         losses.append(float(job.step(mbs if micro > 1 else mbs[0])))
-    sd = job.full_state_dict()
+    sd = {k: v.cpu() for k, v in job.full_state_dict().items()}
     prog = job.programs()[0]
     cs = [collective_of(n) for n in prog.collective_nodes()]
     info = {"tp": prog.counts("tp"), "dp": prog.counts("dp"),

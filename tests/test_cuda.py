@@ -299,3 +299,16 @@ def test_cuda_parity_nccl_ws2_auto_carveout_by_default(pools):
         pool.run(harness.set_carve_min_s, old)
     before, after, carved = check.counts["carve_choice"]
     assert before > 0 and after > 0 and carved == (check.counts["carved"] > 0), check.counts
+
+
+@needs_cuda
+@pytest.mark.parametrize("name,strategy,sp", [("llama", "zero3", True), ("gpt", "ddp", True), ("llama", "ddp", False)])
+def test_cuda_tensor_parallel_gloo_ranks_sharing_the_gpu(pools, name, strategy, sp):
+    """tp=2 on CUDA tensors, two gloo ranks on the one GPU (host-staged collectives): correctness of
+    the tp-local step and its kernels on the device, not speed (one GPU cannot host two NCCL ranks)."""
+    ref_losses, ref_sd = harness.reference(name, "fp64", 1, 3)
+    losses, sd, info = pools(2, "gloo").run(harness.tp_run, name, strategy, "fp64", 3, 2, device="cuda",
+                                            sequence_parallel=sp)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-10
+    assert info["tp"]["reduce_scatter" if sp else "all_reduce"] > 0

@@ -119,8 +119,8 @@ def _merge_views(g: fx.Graph) -> None:
                 seen[k] = n
 
 
-def partition(cap: Capture, plan: dict, ranks: int, group: str,
-              sequence_parallel: bool = False) -> tuple[Capture, Propagation]:
+def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_parallel: bool = False,
+              stage: str | None = None) -> tuple[Capture, Propagation]:
     """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
     (with ``sequence_parallel``, the activations between the regions in sequence shards). Returns
     (its Capture, the propagation it was made from)."""
@@ -177,7 +177,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str,
             if root not in gathered:
                 at = root if root.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
                 with g.inserting_before(at.next):
-                    gathered[root] = _reshard(g, root, pl[root], Replicate(), ranks, group, index_of, phase)
+                    gathered[root] = _reshard(g, root, pl[root], Replicate(), ranks, group, index_of, phase, stage)
             new = gathered[root]
             with g.inserting_before(new.next):
                 for v in reversed(chain):
@@ -186,14 +186,14 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str,
         else:
             at = r.arg if r.arg.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
             with g.inserting_before(at.next):
-                new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, phase)
+                new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, phase, stage)
         for u in readers:
             u.replace_input_with(r.arg, new)
         pl[new] = r.dst
-    _sum_gradients(g, grad_sums, grad_of, ranks, group, pl)
+    _sum_gradients(g, grad_sums, grad_of, ranks, group, pl, stage)
     for n in g.find_nodes(op="call_function", target=aten.nll_loss_forward.default):
         if isinstance(pl.get(n), tuple) and isinstance(pl[n][0], Partial):
-            _nll_on_rows(g, n, ranks, group, "fwd" if n in fwd else "bwd")
+            _nll_on_rows(g, n, ranks, group, "fwd" if n in fwd else "bwd", stage)
     marks.remove(g)
     # local sizes where ops were traced with the whole ones
     for n in g.nodes:
@@ -225,7 +225,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str,
     return local, prop
 
 
-def _sum_gradients(g, xs, grad_of, ranks, group, pl):
+def _sum_gradients(g, xs, grad_of, ranks, group, pl, stage=None):
     """One all-reduce per dtype of the partial gradients ``xs``, after the last of them is made."""
     order = {n: i for i, n in enumerate(g.nodes)}
     out = g.find_nodes(op="output")[0]
@@ -238,7 +238,7 @@ def _sum_gradients(g, xs, grad_of, ranks, group, pl):
             anchor = g.call_function(torch.ops.aten.alias.default, (last,))  # keeps the insertion point
         anchor.meta["val"] = last.meta["val"]
         with g.inserting_before(anchor):
-            summed = emit.all_reduce_many(g, group_xs, ranks, group, op="sum", phase="bwd", axis="tp",
+            summed = emit.all_reduce_many(g, group_xs, ranks, group, op="sum", phase="bwd", axis="tp", stage=stage,
                                           params=tuple(grad_of[x] for x in group_xs))
         g.erase_node(anchor)
         for x, y in zip(group_xs, summed):
@@ -251,7 +251,7 @@ def _split_dim(n: fx.Node) -> int:
     return d % n.args[0].meta["val"].dim()
 
 
-def _nll_on_rows(g, n, ranks, group, phase):
+def _nll_on_rows(g, n, ranks, group, phase, stage=None):
     """The loss of this rank's rows: its sum, over the count of targets of every rank (a mean), so
     the ranks' losses add up to the whole mean; the count, whole, is what the gradient divides by."""
     x, target, w, reduction, ignore = n.args
@@ -262,7 +262,7 @@ def _nll_on_rows(g, n, ranks, group, phase):
         tw_l = emit.node(g, operator.getitem, (local, 1), v[1])
         c = emit.collective("all_reduce", v[1].numel() * v[1].dtype.itemsize, ranks, phase, axis="tp")
         tw = emit.start_and_wait(g, emit.c10d.all_reduce.default, (tw_l, "sum", group), list(v[1].shape),
-                                 v[1].dtype, v[1].device, c)
+                                 v[1].dtype, v[1].device, c, stage)
         out = emit.node(g, aten.div.Tensor, (s_l, tw), v[0]) if reduction == 1 else s_l
     for u in list(n.users):
         if u.target is operator.getitem:
@@ -283,17 +283,17 @@ def _strides(shape):
     return tuple(reversed(st))
 
 
-def _reshard(g, x, src, dst, ranks, group, index_of, phase):
+def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None):
     """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis, in ``phase`` of the step."""
     v = x.meta["val"]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp")
         return emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
-                                   list(v.shape), v.dtype, v.device, c)
+                                   list(v.shape), v.dtype, v.device, c, stage)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return _gather(g, x, src, ranks, group, phase)
+        return _gather(g, x, src, ranks, group, phase, stage)
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return _scatter(g, x, dst, ranks, group, phase)
+        return _scatter(g, x, dst, ranks, group, phase, stage)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         # the value on the first rank, zeros on the others: this rank's index into a dim of ``ranks``
         # entries is its rank
@@ -307,7 +307,7 @@ def _reshard(g, x, src, dst, ranks, group, index_of, phase):
     raise NotImplementedError(f"tp: moving {x.name} from {src} to {dst} is not built yet")
 
 
-def _gather(g, x, p, ranks, group, phase):
+def _gather(g, x, p, ranks, group, phase, stage=None):
     """All-gather of shard ``p``: the pieces meet along dim 0, so another dim is moved there first
     and back after; the pieces of a cut in blocks are put back in block order between."""
     v = x.meta["val"]  # the global value: local along the dim
@@ -321,7 +321,7 @@ def _gather(g, x, p, ranks, group, phase):
     full = [moved[0] * ranks, *moved[1:]]
     c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, phase, axis="tp")
     out = emit.start_and_wait(g, emit.c10d.all_gather_into_tensor.default, (y, ranks, group), full, v.dtype,
-                              v.device, c)
+                              v.device, c, stage)
     if p.groups > 1:  # [rank, block, piece] -> [block, rank, piece]
         k = p.groups
         split = [ranks, k, moved[0] // k, *moved[1:]]
@@ -335,7 +335,7 @@ def _gather(g, x, p, ranks, group, phase):
     return _contiguous(g, emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device)))
 
 
-def _scatter(g, x, p, ranks, group, phase):
+def _scatter(g, x, p, ranks, group, phase, stage=None):
     """Reduce-scatter of a partial sum to shard ``p``: its dim is moved to dim 0, where the pieces
     are cut (a cut in blocks: each rank's pieces of every block put side by side first), and back after."""
     v = x.meta["val"]
@@ -355,7 +355,7 @@ def _scatter(g, x, p, ranks, group, phase):
     local = [moved[0] // ranks, *moved[1:]]
     c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp")
     out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,
-                              v.device, c)
+                              v.device, c, stage)
     if d == 0:
         return out
     back = [perm.index(i) for i in range(len(perm))]
