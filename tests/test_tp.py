@@ -2,6 +2,7 @@
 collectives the partition puts in the step, the state's local shards, and the errors of bad plans."""
 
 import pytest
+import torch
 
 import harness
 from harness import reference, rel_param_err
@@ -95,9 +96,14 @@ def test_hugging_face_models_under_tp_and_sp(pools, kind):
             assert dict(counts) == {("all_reduce", "fwd"): 4, ("all_reduce", "bwd"): 4}
 
 
-def test_inductor_executes_the_tp_local_step(pools):
-    info = _check(pools, "llama", "zero3", 2, 2, sequence_parallel=True, compile="inductor")
-    assert info["tp"]["reduce_scatter"] > 0
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch<2.13 inductor allocates the CPU flash-attention backward's logsumexp in fp32 for fp64 inputs",
+)
+@pytest.mark.parametrize("sp", [False, True])
+def test_inductor_executes_the_tp_local_step(pools, sp):
+    info = _check(pools, "llama", "zero3", 2, 2, sequence_parallel=sp, compile="inductor")
+    assert info["tp"]["reduce_scatter" if sp else "all_reduce"] > 0
 
 
 def test_tp_fp32_20_steps_as_exact_as_single_device_fp32(pools):

@@ -314,9 +314,8 @@ def _gather(g, x, p, ranks, group, phase, stage=None):
     d = p.dim
     local = local_shape(v.shape, p, ranks)
     perm = [d] + [i for i in range(len(local)) if i != d]
-    y = x if d == 0 else emit.node(g, aten.permute.default, (x, perm),
-                                   emit.fake([local[i] for i in perm], v.dtype, v.device))
-    y = emit.contiguous(g, y)
+    y = emit.contiguous(g, x) if d == 0 else _contiguous(
+        g, emit.node(g, aten.permute.default, (x, perm), emit.fake([local[i] for i in perm], v.dtype, v.device)))
     moved = [local[i] for i in perm]
     full = [moved[0] * ranks, *moved[1:]]
     c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, phase, axis="tp")
@@ -351,7 +350,7 @@ def _scatter(g, x, p, ranks, group, phase, stage=None):
         y = emit.node(g, aten.transpose.int, (y, 0, 1), emit.fake(swapped, v.dtype, v.device))
         y = emit.node(g, aten.reshape.default, (y, moved), emit.fake(moved, v.dtype, v.device))
     else:
-        y = emit.contiguous(g, y)
+        y = emit.contiguous(g, y) if d == 0 else _contiguous(g, y)
     local = [moved[0] // ranks, *moved[1:]]
     c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp")
     out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,

@@ -94,7 +94,7 @@ def layer_norm_backward(node, place, ranks):
 
 register(aten.sum.dim_IntList, aten.sum.default, rule=sum_)
 register(aten.mean.dim, rule=mean)
-register(aten._softmax.default, aten._log_softmax.default, rule=softmax)
+register(aten._softmax.default, aten._log_softmax.default, "aten._safe_softmax", rule=softmax)
 register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default, rule=softmax_backward)
 register(aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim, rule=along)
 register(aten.native_layer_norm.default, rule=layer_norm)
