@@ -113,14 +113,15 @@ def test_a_shard_the_ranks_do_not_divide_is_an_error_naming_the_sizes():
 
 
 def test_megatron_pairs_are_found_from_the_graph():
-    # from the graph alone: q, k, v and w1, w3 column-parallel; wo and w2 row-parallel; the embedding
-    # and the LM head whole (the head pairs with no second product)
+    # from the graph alone: q, k, v and w1, w3 column-parallel; wo and w2 row-parallel; the LM head
+    # vocab-parallel (its product feeds the log-softmax; its weight is not the embedding's); the
+    # embedding whole
     from shardwise.passes.tp import megatron_plan
 
     _, cap = captured("llama")
     plan = megatron_plan(cap)
     want = {n: p for n in cap.param_names for g, p in MEGATRON_LLAMA.items() if fnmatch.fnmatch(n, g)}
-    assert plan == want
+    assert plan == {**want, "head.weight": Shard(0)}
     # GPT-2's fused QKV is split into q, k and v along the product's output: its weight and bias are
     # cut in 3 blocks, so each rank holds its heads of each; the MLP's pair is split with its bias
     _, cap = captured("gpt")

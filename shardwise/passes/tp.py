@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import fnmatch
 import math
-import operator
 
 import torch
 import torch.fx as fx
@@ -32,7 +31,7 @@ from ..capture import Capture, forward_nodes
 from ..sharding import Partial, Replicate, Shard
 from ..sharding.propagate import Propagation, propagate
 from ..sharding.rules import marks
-from . import emit
+from . import emit, tp_ops
 
 aten = torch.ops.aten
 _SIZED = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
@@ -191,9 +190,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
             u.replace_input_with(r.arg, new)
         pl[new] = r.dst
     _sum_gradients(g, grad_sums, grad_of, ranks, group, pl, stage)
-    for n in g.find_nodes(op="call_function", target=aten.nll_loss_forward.default):
-        if isinstance(pl.get(n), tuple) and isinstance(pl[n][0], Partial):
-            _nll_on_rows(g, n, ranks, group, "fwd" if n in fwd else "bwd", stage)
+    tp_ops.rewrite(g, pl, fwd, ranks, group, stage, index_of)
     marks.remove(g)
     # local sizes where ops were traced with the whole ones
     for n in g.nodes:
@@ -249,26 +246,6 @@ def _sum_gradients(g, xs, grad_of, ranks, group, pl, stage=None):
 def _split_dim(n: fx.Node) -> int:
     d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
     return d % n.args[0].meta["val"].dim()
-
-
-def _nll_on_rows(g, n, ranks, group, phase, stage=None):
-    """The loss of this rank's rows: its sum, over the count of targets of every rank (a mean), so
-    the ranks' losses add up to the whole mean; the count, whole, is what the gradient divides by."""
-    x, target, w, reduction, ignore = n.args
-    v = n.meta["val"]
-    with g.inserting_before(n):
-        local = emit.node(g, aten.nll_loss_forward.default, (x, target, w, 2, ignore), v)  # 2: sum
-        s_l = emit.node(g, operator.getitem, (local, 0), v[0])
-        tw_l = emit.node(g, operator.getitem, (local, 1), v[1])
-        c = emit.collective("all_reduce", v[1].numel() * v[1].dtype.itemsize, ranks, phase, axis="tp")
-        tw = emit.start_and_wait(g, emit.c10d.all_reduce.default, (tw_l, "sum", group), list(v[1].shape),
-                                 v[1].dtype, v[1].device, c, stage)
-        out = emit.node(g, aten.div.Tensor, (s_l, tw), v[0]) if reduction == 1 else s_l
-    for u in list(n.users):
-        if u.target is operator.getitem:
-            u.replace_all_uses_with(out if u.args[1] == 0 else tw)
-            g.erase_node(u)
-    g.erase_node(n)
 
 
 def _device(phs):
@@ -469,4 +446,26 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
                 plan.pop(bias.get(c), None)
         for row, cols in rows.items():
             add(row, cols)
+    # the LM head, vocab-parallel: a product no pair holds whose output is the log-softmax's classes,
+    # its weight read by nothing else (a head tied to the embedding stays whole), the classes cut evenly
+    used = {c for cols in rows.values() for c in cols} | set(rows)
+    for c, (name, out_dim) in linear.items():
+        w = next(ph for ph, nm in names.items() if nm == name)
+        if c not in used and _reaches_log_softmax(c) and w.meta["val"].shape[out_dim] % ranks == 0 \
+                and sum(1 for u in w.users if u in fwd) == 1:
+            plan[name] = Shard(out_dim)
     return plan
+
+
+def _reaches_log_softmax(mm: fx.Node) -> bool:
+    """Whether a product's output reaches a log-softmax over its last dim through views and casts."""
+    n = mm
+    while len(n.users) == 1:
+        (u,) = n.users
+        if u.target is aten._log_softmax.default:
+            return u.args[1] % u.meta["val"].dim() == u.meta["val"].dim() - 1
+        if u.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default) \
+                or u.meta["val"].shape[-1] != n.meta["val"].shape[-1]:
+            return False
+        n = u
+    return False

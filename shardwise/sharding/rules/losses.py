@@ -1,7 +1,9 @@
 """Losses: the negative log-likelihood of rows of log-probabilities. Rows whole on every rank: the
 loss whole. Rows in shards (tokens under sequence parallelism) with whole classes: each rank's loss
 is a partial sum and the count of its targets is summed over the axis, which the partitioner does
-(passes/tp.py: a mean becomes this rank's sum over the whole count); the gradient keeps the rows' shard."""
+(passes/tp.py: a mean becomes this rank's sum over the whole count); the gradient keeps the rows' shard.
+Classes in shards (a vocab-parallel head) with whole targets: each rank picks the targets its
+classes hold, a partial sum; the gradient keeps the classes' shard."""
 
 from __future__ import annotations
 
@@ -29,8 +31,19 @@ def _weight_whole(w):
     return w is None or not isinstance(w, torch.fx.Node) or val(w) is None
 
 
+def _classes(node, place) -> bool:
+    """Log-probabilities in shards of their classes (a vocab-parallel head), targets and weights whole."""
+    x = node.args[0] if node.target is aten.nll_loss_forward.default else node.args[1]
+    p = place(x)
+    return isinstance(p, Shard) and p.groups == 1 and p.dim == 1 and val(x).dim() == 2 and \
+        place(node.args[2 if node.target is aten.nll_loss_forward.default else 3]) in (None, R)
+
+
 def nll_loss_forward(node, place, ranks):
     target, w = node.args[1], node.args[2]
+    if _classes(node, place) and _weight_whole(w):
+        # each rank picks the targets its classes hold: a partial sum (passes/tp.py)
+        return ({target: R} if place(target) != R else {}), (Partial(), R)
     p = _rows(node, place)
     if p is None or not _weight_whole(w) and place(w) != R:
         return whole(node, place, ranks)
@@ -38,7 +51,9 @@ def nll_loss_forward(node, place, ranks):
 
 
 def nll_loss_backward(node, place, ranks):
-    grad, _, target, _, _, _, tw = node.args[:7]
+    grad, x, target, w, _, _, tw = node.args[:7]
+    if _classes(node, place) and _weight_whole(w) and place(grad) == R and place(tw) == R:
+        return ({target: R} if place(target) != R else {}), place(x)
     p = _rows(node, place)
     if p is None or place(grad) != R or place(tw) != R:
         return whole(node, place, ranks)

@@ -1,6 +1,7 @@
 """Reductions and normalisations: a reduced sharded dim leaves a partial sum; a normalisation needs its
 normalised dims whole on every rank and keeps the shard of the others (the token dims, under
-sequence parallelism); a softmax needs its dim whole."""
+sequence parallelism); a softmax needs its dim whole, but for a log-softmax over classes in shards
+(a vocab-parallel head), whose max and sum the partitioner reduces over the axis."""
 
 from __future__ import annotations
 
@@ -42,9 +43,18 @@ def mean(node, place, ranks):
     return sum_(node, place, ranks)
 
 
+def _classes(p, node, x, d) -> bool:
+    """A log-softmax over a plainly sharded dim: vocab-parallel (passes/tp.py reduces its max and its
+    sum of exponentials over the axis)."""
+    return node.target in _VOCAB_PARALLEL and isinstance(p, Shard) and p.groups == 1 and \
+        p.dim == dim(d, val(x).dim())
+
+
 def softmax(node, place, ranks):
     x = node.args[0]
     p = place(x)
+    if _classes(p, node, x, node.args[1]):
+        return {}, p
     if isinstance(p, Partial) or isinstance(p, Shard) and p.dim == dim(node.args[1], val(x).dim()):
         return {a: R for a in tensors(node)}, R
     return {a: p for a in tensors(node) if place(a) != p}, p
@@ -53,9 +63,14 @@ def softmax(node, place, ranks):
 def softmax_backward(node, place, ranks):
     grad, out = node.args[0], node.args[1]
     p = place(grad)
+    if _classes(p, node, out, node.args[2]) and place(out) == p:
+        return {}, p  # vocab-parallel: its sum over the classes reduced over the axis (passes/tp.py)
     if isinstance(p, Shard) and p.dim != dim(node.args[2], val(out).dim()) and place(out) == p:
         return {}, p
     return {a: R for a in (grad, out)}, R
+
+
+_VOCAB_PARALLEL = (aten._log_softmax.default, aten._log_softmax_backward_data.default)
 
 
 def along(node, place, ranks):
