@@ -611,6 +611,40 @@ def tp_refused(plan: dict):
     return err, whole
 
 
+class CumsumNet(torch.nn.Module):
+    """Two products around an op no sharding rule knows (a cumulative sum)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.down(self.up(x).cumsum(-1)), y)
+
+
+def tp_unruled(plan):
+    """A step of CumsumNet at tp=2 under ``plan``: ("ok", tp collectives) or ("error", message, model whole?)."""
+    model = CumsumNet().double()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=2), tp_plan=plan)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64))
+    try:
+        job.step(batch)
+    except ValueError as e:
+        return "error", str(e), all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return "ok", sum(job.programs()[0].counts("tp").values())
+
+
+def tp_mesh_error(tp: int):
+    try:
+        sw.mesh(tp=tp)
+    except ValueError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
 def tp_compile_error(kw: dict):
     """Compile a tp=2 job with options ``kw`` (the test expects a refusal)."""
     sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(tp=2), **kw)

@@ -241,3 +241,17 @@ def test_memory_falls_with_tp_and_sp_as_predicted(pools):
     (p1, w1), (p2, w2), (p2sp, w2sp) = got[(None, False)], got[(2, False)], got[(2, True)]
     assert w2 == w2sp and 0.5 * w1 <= w2 <= 0.6 * w1  # norms and embeddings stay whole
     assert p2 < 0.7 * p1 and p2sp < 0.9 * p2
+
+
+def test_an_op_without_a_rule_names_itself_or_ends_the_pair(pools):
+    """A hand-written plan across an op no rule knows stops with the op, the node and its inputs'
+    placements, and the model whole; Megatron's plan does not pair products across it (so the job
+    runs, whole). A tp axis the world does not divide is refused by the mesh."""
+    res = pools(2).run_all(harness.tp_unruled, {"up.weight": Shard(0), "down.weight": Shard(1)})
+    for ok, val in res:
+        assert ok and val[0] == "error" and val[2], val
+        assert "no sharding rule for aten.cumsum.default" in val[1] and "S(1)" in val[1]
+    for ok, val in pools(2).run_all(harness.tp_unruled, "megatron"):
+        assert ok and val == ("ok", 0), val
+    for ok, val in pools(2).run_all(harness.tp_mesh_error, 3):
+        assert ok and val[0] == "MeshError" and "the other axes take 3 ranks" in val[1], val

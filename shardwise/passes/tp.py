@@ -30,7 +30,9 @@ import torch.fx as fx
 from ..capture import Capture, forward_nodes
 from ..sharding import Partial, Replicate, Shard
 from ..sharding.propagate import Propagation, propagate
+from ..sharding.ops import info
 from ..sharding.rules import marks
+from ..sharding.rules.pointwise import is_pointwise
 from . import emit, tp_ops
 
 aten = torch.ops.aten
@@ -415,7 +417,8 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
                 region[n] = frozenset([n])
             continue
         acts = [a for a in n.all_input_nodes if a in activation]
-        if n.target not in stop and acts and all(a in region for a in acts):
+        ruled = info(n.target).rule is not None or is_pointwise(n)  # an op without a rule ends a region
+        if n.target not in stop and ruled and acts and all(a in region for a in acts):
             region[n] = frozenset().union(*(region[a] for a in acts))
     plan: dict[str, object] = {}
     # a column-parallel product's bias (the add right after it) splits with its output
