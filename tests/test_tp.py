@@ -161,6 +161,18 @@ def test_megatron_plan_on_llama_splits_heads_and_mlp(pools):
     assert any(ln.split()[:3] == ["all_reduce", "tp", "bwd"] for ln in info["explain"].splitlines())
 
 
+def test_kv_heads_fewer_than_the_tp_ranks_are_replicated(pools):
+    """The tiny Llama has 4 query heads and 2 KV heads: at tp=4 the query heads split, one per rank,
+    and k and v stay whole (each rank slices the KV head its query head reads), their gradients
+    gathered in the backward; the MLP splits as at tp=2."""
+    info = _check(pools, "llama", "zero3", 4, 4)
+    layers, shapes = 2, info["shapes"]
+    assert tuple(shapes["blocks.0.attn.wq.weight"]) == (8, 32) and tuple(shapes["blocks.0.attn.wk.weight"]) == (16, 32)
+    assert tuple(shapes["blocks.0.ffn.w1.weight"]) == (12, 32)
+    assert info["phases"][("tp", "all_reduce", "fwd")] == 2 * layers + 3
+    assert info["phases"][("tp", "all_gather", "bwd")] == 2 * layers  # dk and dv of each layer
+
+
 def test_an_explicit_plan_splits_only_what_it_names(pools):
     info = _check(pools, "llama", "ddp", 2, 2, tp_plan=FFN_ONLY)
     assert info["phases"][("tp", "all_reduce", "fwd")] == 2  # the MLP's of 2 layers; attention whole

@@ -435,18 +435,29 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
 
     for row, cols in rows.items():
         add(row, cols)
-    # a pair the propagation cannot keep local between its products is dropped (left whole)
-    for _ in range(len(rows)):
+    # a column whose region needs a gather before the row-parallel product stays whole (its values
+    # are then sliced where they meet the others': replicated KV heads where the tp ranks outnumber
+    # them); a pair whose every column (or whose row product's input) does is left whole
+    for _ in range(sum(len(cols) + 1 for cols in rows.values())):
         seeds = {ph: plan.get(names[ph], Replicate()) for ph in names}
         prop = place_all(gm, seeds, ranks)
-        bad = {r.node for r in prop.collectives() if r.kind not in ("all_reduce", "one_rank") and r.node in fwd}
-        drop = [row for row, cols in rows.items() if any(region.get(b, frozenset()) & cols for b in bad)]
-        if not drop:
+        bad = {r.node for r in prop.collectives()
+               if r.kind in ("all_gather", "reduce_scatter", "all_to_all") and r.node in fwd}
+        hit = {c for b in bad for c in region.get(b, frozenset())}
+        if not hit:
             break
-        for row in drop:
-            for c in (row, *rows.pop(row)):
+        for row, cols in list(rows.items()):
+            lost = cols & hit
+            if not lost:
+                continue
+            gone = lost if lost != cols and not (bad & {row}) else (row, *cols)
+            for c in gone:
                 plan.pop(linear[c][0], None)
                 plan.pop(bias.get(c), None)
+            if row in gone:
+                rows.pop(row)
+            else:
+                rows[row] = cols - lost
         for row, cols in rows.items():
             add(row, cols)
     # the LM head, vocab-parallel: a product no pair holds whose output is the log-softmax's classes,
