@@ -159,6 +159,10 @@ def test_megatron_plan_on_llama_splits_heads_and_mlp(pools):
     row = next(ln for ln in info["explain"].splitlines() if ln.strip().startswith("blocks.0.attn.wo.weight"))
     assert "tp S(1)" in row
     assert any(ln.split()[:3] == ["all_reduce", "tp", "bwd"] for ln in info["explain"].splitlines())
+    # each tp collective says why it is there: the move, the value, the op that reads it
+    assert any(ln.split()[:3] == ["all_reduce", "tp", "fwd"] and "P->R" in ln and "for add" in ln
+               for ln in info["explain"].splitlines())
+    assert "row max of the log-softmax over class shards" in info["explain"]
 
 
 def test_kv_heads_fewer_than_the_tp_ranks_are_replicated(pools):

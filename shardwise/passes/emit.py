@@ -56,11 +56,13 @@ def fake(shape, dtype, device) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-def collective(kind: str, full_bytes: int, ranks: int, phase: str, params=(), axis: str = "dp") -> Collective:
+def collective(kind: str, full_bytes: int, ranks: int, phase: str, params=(), axis: str = "dp",
+               reason: str = "") -> Collective:
     """The ``Collective`` of one start node (ring bytes from the cost model's bus factor)."""
     if isinstance(params, str):
         params = (params,)
-    return Collective(kind, full_bytes, sent_bytes(kind, full_bytes, ranks), ranks, axis, phase, tuple(params or ()))
+    return Collective(kind, full_bytes, sent_bytes(kind, full_bytes, ranks), ranks, axis, phase, tuple(params or ()),
+                      reason)
 
 
 def restore_topological_order(g: fx.Graph) -> bool:

@@ -168,6 +168,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
             grad_sums.append(r.arg)
             continue
         phase = "fwd" if r.arg in fwd else "bwd"
+        reason = _reason(r, readers)
         if r.kind == "all_gather":
             # views of one value gathered alike (dy and dy^T for a product's two gradients): the value
             # is gathered once and each view taken again on the whole copy
@@ -178,7 +179,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
             if root not in gathered:
                 at = root if root.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
                 with g.inserting_before(at.next):
-                    gathered[root] = _reshard(g, root, pl[root], Replicate(), ranks, group, index_of, phase, stage)
+                    gathered[root] = _reshard(g, root, pl[root], Replicate(), ranks, group, index_of, phase, stage, reason)
             new = gathered[root]
             with g.inserting_before(new.next):
                 for v in reversed(chain):
@@ -187,7 +188,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
         else:
             at = r.arg if r.arg.op != "placeholder" else g.find_nodes(op="placeholder")[-1]
             with g.inserting_before(at.next):
-                new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, phase, stage)
+                new = _reshard(g, r.arg, r.src, r.dst, ranks, group, index_of, phase, stage, reason)
         for u in readers:
             u.replace_input_with(r.arg, new)
         pl[new] = r.dst
@@ -222,6 +223,12 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
                                                            for n, s in zip(cap.param_names, cap.param_shapes)],
                                 rank_inputs=[ph.name for ph in index_inputs.values()])
     return local, prop
+
+
+def _reason(r, readers) -> str:
+    """What a reshard's collective says in ``explain``: the move, the value and the ops that need it."""
+    ops = sorted({"output" if u.op == "output" else str(u.target).removeprefix("aten.").split(".")[0] for u in readers})
+    return f"{r.src}->{r.dst} {r.arg.name} for {','.join(ops)}"
 
 
 def _sum_gradients(g, xs, grad_of, ranks, group, pl, stage=None):
@@ -262,17 +269,17 @@ def _strides(shape):
     return tuple(reversed(st))
 
 
-def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None):
+def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None, reason=""):
     """The node that moves ``x`` from ``src`` to ``dst`` on the tp axis, in ``phase`` of the step."""
     v = x.meta["val"]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp")
+        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp", reason=reason)
         return emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
                                    list(v.shape), v.dtype, v.device, c, stage)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return _gather(g, x, src, ranks, group, phase, stage)
+        return _gather(g, x, src, ranks, group, phase, stage, reason)
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return _scatter(g, x, dst, ranks, group, phase, stage)
+        return _scatter(g, x, dst, ranks, group, phase, stage, reason)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
         # the value on the first rank, zeros on the others: this rank's index into a dim of ``ranks``
         # entries is its rank
@@ -286,7 +293,7 @@ def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None):
     raise NotImplementedError(f"tp: moving {x.name} from {src} to {dst} is not built yet")
 
 
-def _gather(g, x, p, ranks, group, phase, stage=None):
+def _gather(g, x, p, ranks, group, phase, stage=None, reason=""):
     """All-gather of shard ``p``: the pieces meet along dim 0, so another dim is moved there first
     and back after; the pieces of a cut in blocks are put back in block order between."""
     v = x.meta["val"]  # the global value: local along the dim
@@ -297,7 +304,7 @@ def _gather(g, x, p, ranks, group, phase, stage=None):
         g, emit.node(g, aten.permute.default, (x, perm), emit.fake([local[i] for i in perm], v.dtype, v.device)))
     moved = [local[i] for i in perm]
     full = [moved[0] * ranks, *moved[1:]]
-    c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, phase, axis="tp")
+    c = emit.collective("all_gather", math.prod(full) * v.dtype.itemsize, ranks, phase, axis="tp", reason=reason)
     out = emit.start_and_wait(g, emit.c10d.all_gather_into_tensor.default, (y, ranks, group), full, v.dtype,
                               v.device, c, stage)
     if p.groups > 1:  # [rank, block, piece] -> [block, rank, piece]
@@ -313,7 +320,7 @@ def _gather(g, x, p, ranks, group, phase, stage=None):
     return _contiguous(g, emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device)))
 
 
-def _scatter(g, x, p, ranks, group, phase, stage=None):
+def _scatter(g, x, p, ranks, group, phase, stage=None, reason=""):
     """Reduce-scatter of a partial sum to shard ``p``: its dim is moved to dim 0, where the pieces
     are cut (a cut in blocks: each rank's pieces of every block put side by side first), and back after."""
     v = x.meta["val"]
@@ -331,7 +338,8 @@ def _scatter(g, x, p, ranks, group, phase, stage=None):
     else:
         y = emit.contiguous(g, y) if d == 0 else _contiguous(g, y)
     local = [moved[0] // ranks, *moved[1:]]
-    c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp")
+    c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp",
+                        reason=reason)
     out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,
                               v.device, c, stage)
     if d == 0:

@@ -25,9 +25,9 @@ aten = torch.ops.aten
 
 
 def rewrite(g: fx.Graph, pl: dict, fwd: set, ranks: int, group: str, stage, index_of) -> None:
-    def reduce(x, op, phase):
+    def reduce(x, op, phase, why=""):
         v = x.meta["val"]
-        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp")
+        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp", reason=why)
         return emit.start_and_wait(g, emit.c10d.all_reduce.default, (x, op, group), list(v.shape), v.dtype,
                                    v.device, c, stage)
 
@@ -64,7 +64,7 @@ def _nll_on_rows(g, n, reduce, phase, index_of):
         local = emit.node(g, aten.nll_loss_forward.default, (x, target, w, 2, ignore), v)  # 2: sum
         s_l = emit.node(g, operator.getitem, (local, 0), v[0])
         tw_l = emit.node(g, operator.getitem, (local, 1), v[1])
-        tw = reduce(tw_l, "sum", phase)
+        tw = reduce(tw_l, "sum", phase, "the count of targets of the loss on token shards")
         out = emit.node(g, aten.div.Tensor, (s_l, tw), v[0]) if reduction == 1 else s_l
     _replace_outputs(g, n, out, tw)
 
@@ -110,11 +110,11 @@ def _log_softmax_on_classes(g, n, reduce, phase):
     row = [*v.shape[:-1], 1]
     with g.inserting_before(n):
         m_l = emit.node(g, aten.amax.default, (x, [d], True), emit.fake(row, v.dtype, v.device))
-        m = reduce(m_l, "max", phase)
+        m = reduce(m_l, "max", phase, "row max of the log-softmax over class shards")
         shifted = emit.node(g, aten.sub.Tensor, (x, m), v)
         e = emit.node(g, aten.exp.default, (shifted,), v)
         s_l = emit.node(g, aten.sum.dim_IntList, (e, [d], True), emit.fake(row, v.dtype, v.device))
-        s = reduce(s_l, "sum", phase)
+        s = reduce(s_l, "sum", phase, "row sum of exponentials of the log-softmax over class shards")
         lse = emit.node(g, aten.log.default, (s,), emit.fake(row, v.dtype, v.device))
         out = emit.node(g, aten.sub.Tensor, (shifted, lse), n.meta["val"])
     n.replace_all_uses_with(out)
@@ -128,7 +128,7 @@ def _log_softmax_backward_on_classes(g, n, reduce, phase):
     row = [*v.shape[:-1], 1]
     with g.inserting_before(n):
         s_l = emit.node(g, aten.sum.dim_IntList, (grad, [d], True), emit.fake(row, v.dtype, v.device))
-        s = reduce(s_l, "sum", phase)
+        s = reduce(s_l, "sum", phase, "row sum of the log-softmax gradient over class shards")
         p = emit.node(g, aten.exp.default, (out,), out.meta["val"])
         ps = emit.node(g, aten.mul.Tensor, (p, s), v)
         res = emit.node(g, aten.sub.Tensor, (grad, ps), n.meta["val"])

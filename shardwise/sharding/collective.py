@@ -29,6 +29,8 @@ class Collective:
     """``fwd`` or ``bwd``: where in the step its pass put it."""
     params: tuple[str, ...] = ()
     """The parameters it gathers or reduces (a bucket's several; none for the loss's all-reduce)."""
+    reason: str = ""
+    """Why it is there, where no parameter says (a tp reshard: the placements, the value, its readers)."""
 
     @property
     def param(self) -> str | None:
@@ -37,7 +39,7 @@ class Collective:
 
     @property
     def label(self) -> str:
-        return ",".join(self.params)
+        return ",".join(self.params) or self.reason
 
     def __str__(self) -> str:
         return f"{self.kind}[{self.axis}x{self.ranks}] {self.full_bytes}B {self.phase} {self.label}".rstrip()
