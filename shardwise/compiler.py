@@ -76,9 +76,10 @@ class TensorParallelAxis:
     group, the plan asked for (``tp_plan``), whether the activations between its regions lie in
     sequence shards, and, once the first step is captured, each parameter's placement on it."""
 
-    def __init__(self, ranks: int, rank: int, group, plan, sequence_parallel: bool = False):
+    def __init__(self, ranks: int, rank: int, group, plan, sequence_parallel: bool = False,
+                 allow_replicate: bool = False):
         self.ranks, self.rank, self.group, self.plan = ranks, rank, group, plan
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.allow_replicate = sequence_parallel, allow_replicate
         self.placements: dict | None = None
         self._index: dict[str, object] = {}
 
@@ -113,7 +114,7 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
             raise ValueError(f"{name} does not compose with tensor parallelism yet (mesh tp={ranks}): leave it "
                              "off, or use a mesh of dp alone")
     return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), config.tp_plan or "megatron",
-                              config.sequence_parallel)
+                              config.sequence_parallel, config.allow_replicate)
 
 
 class Compiler:
@@ -171,7 +172,8 @@ class Compiler:
         if placements is None:
             plan = tp_pass.megatron_plan(cap, tp.ranks) if tp.plan == "megatron" else tp.plan
             placements = tp_pass.seeds_of(cap, plan, tp.ranks)
-        local = tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel, self.ctx.stage)[0]
+        local = tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel, self.ctx.stage,
+                                  tp.allow_replicate)[0]
         return local, placements
 
     def _compile(self, key, batch, tensors, mode: str) -> None:

@@ -181,6 +181,9 @@ class JobConfig:
     """Where the mesh has a tp axis: ``"megatron"`` (the default there: column/row-parallel pairs found
     from the graph, passes/tp.py) or ``{parameter-name glob: sw.Shard(dim) | sw.Replicate()}``."""
     sequence_parallel: bool = False
+    allow_replicate: bool = False
+    """With a tp axis: an op no sharding rule knows runs on whole inputs (gathered, with a warning that
+    names it) instead of stopping the job."""
     """With a tp axis: the activations between the tensor-parallel regions (the residual stream, its
     norms) lie in sequence shards; all-gather before each column-parallel product, reduce-scatter after
     each row-parallel one, in place of the all-reduces."""

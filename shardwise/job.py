@@ -53,6 +53,7 @@ def compile(
     link_profile=None,
     tp_plan=None,
     sequence_parallel: bool = False,
+    allow_replicate: bool = False,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 
@@ -91,7 +92,7 @@ def compile(
         update=UpdateOptions(clip_grad_norm=clip_grad_norm, fused_optimizer=fused_optimizer,
                              overlap_update=overlap_update),
         matmul_sm_carveout=matmul_sm_carveout, link_profile=link_profile, tp_plan=tp_plan,
-        sequence_parallel=sequence_parallel)
+        sequence_parallel=sequence_parallel, allow_replicate=allow_replicate)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is None:

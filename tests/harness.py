@@ -623,18 +623,27 @@ class CumsumNet(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.down(self.up(x).cumsum(-1)), y)
 
 
-def tp_unruled(plan):
-    """A step of CumsumNet at tp=2 under ``plan``: ("ok", tp collectives) or ("error", message, model whole?)."""
+def cumsum_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)
+
+
+def tp_unruled(plan, **kw):
+    """Two steps of CumsumNet at tp=2 under ``plan``: ("ok", tp collectives, full_state_dict, warnings) or
+    ("error", message, model whole?)."""
+    import warnings
+
     model = CumsumNet().double()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=2), tp_plan=plan)
-    g = torch.Generator().manual_seed(0)
-    batch = (torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64))
+    job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=2), tp_plan=plan, **kw)
     try:
-        job.step(batch)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                job.step(cumsum_batch())
     except ValueError as e:
         return "error", str(e), all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    return "ok", sum(job.programs()[0].counts("tp").values())
+    return "ok", sum(job.programs()[0].counts("tp").values()), job.full_state_dict(), [str(w.message) for w in seen]
 
 
 def tp_mesh_error(tp: int):

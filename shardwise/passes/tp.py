@@ -121,7 +121,7 @@ def _merge_views(g: fx.Graph) -> None:
 
 
 def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_parallel: bool = False,
-              stage: str | None = None) -> tuple[Capture, Propagation]:
+              stage: str | None = None, allow_replicate: bool = False) -> tuple[Capture, Propagation]:
     """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
     (with ``sequence_parallel``, the activations between the regions in sequence shards). Returns
     (its Capture, the propagation it was made from)."""
@@ -138,7 +138,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
     fwd = forward_nodes(gm)
     prefer = sequence_marks(g, fwd, ranks) if sequence_parallel else None
     fwd = forward_nodes(gm)
-    prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer)
+    prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer, allow_replicate=allow_replicate)
     pl = prop.placements
     index_inputs: dict[tuple, fx.Node] = {}
 

@@ -28,6 +28,7 @@ is a function of the graph and the seeds alone, so every rank derives the same p
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -98,6 +99,11 @@ def check_divisible(node: fx.Node, p, ranks: int, names: dict | None = None) -> 
                             f"size that divides it, or replicate the parameter feeding it in the tp plan")
 
 
+def whole(node: fx.Node, place, ranks: int):
+    """An op read on whole inputs (``allow_replicate``): its outputs are whole."""
+    return {a: R for a in node.all_input_nodes if place(a) != R and val(a) is not None}, replicated(node, place, ranks)[1]
+
+
 def replicated(node: fx.Node, place, ranks: int):
     """An op every input of which is whole: its outputs are whole too."""
     v = node.meta.get("val")
@@ -105,12 +111,14 @@ def replicated(node: fx.Node, place, ranks: int):
 
 
 def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None = None,
-              names: dict | None = None, prefer: dict | None = None) -> Propagation:
+              names: dict | None = None, prefer: dict | None = None, allow_replicate: bool = False) -> Propagation:
     """Place every node of ``gm`` on an axis of ``ranks`` ranks from ``seeds`` (placeholder -> placement);
     ``outputs``: the placement each graph output must have (None: as its producer leaves it); ``names``:
     what errors call a placeholder (its parameter's name); ``prefer``: {shape: Shard} where a partial
     value of that shape that a reader needs whole is reduce-scattered to the shard instead, if the
-    reader takes it so (sequence parallelism: the residual stream's gradients, by their shape)."""
+    reader takes it so (sequence parallelism: the residual stream's gradients, by their shape);
+    ``allow_replicate``: an op without a rule reads its inputs whole (a warning names it) instead of
+    stopping with an error."""
     plan = Propagation(ranks)
     pl = plan.placements
     prefer = prefer or {}
@@ -140,9 +148,16 @@ def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None 
             if rule is None:
                 if not is_pointwise(n):
                     got = {a.name: str(place(a)) for a in n.all_input_nodes}
-                    raise ShardingError(f"no sharding rule for {n.target} (node {n.name}, inputs placed {got}); "
-                                        "add one in shardwise/sharding/rules/, or replicate what feeds it in the tp plan")
-                rule = pointwise_rule
+                    if not allow_replicate:
+                        raise ShardingError(f"no sharding rule for {n.target} (node {n.name}, inputs placed {got}); "
+                                            "add one in shardwise/sharding/rules/, replicate what feeds it in the tp "
+                                            "plan, or pass allow_replicate=True to run it on whole inputs")
+                    warnings.warn(f"shardwise: no sharding rule for {n.target} (node {n.name}, inputs placed {got}): "
+                                  "it runs on whole inputs (allow_replicate=True); explain shows the gathers",
+                                  stacklevel=2)
+                    rule = whole
+                else:
+                    rule = pointwise_rule
             need, out = rule(n, place, ranks)
             need, out = scattered(n, rule, need) or (need, out)
             for a, dst in need.items():
