@@ -18,10 +18,12 @@ from .errors import BatchMismatchError, BudgetError, CaptureError, MeshError, Pl
 from .job import Job, compile
 from .runtime.mesh import Mesh, mesh
 from .sharding import Partial, Replicate, Shard
+from .sharding.annotate import shard
 
 __version__ = "0.1.0"
 __all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "Job", "Mesh", "MeshError", "MixedPrecision",
-           "Partial", "PlanMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan"]
+           "Partial", "PlanMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan",
+           "shard"]
 
 
 def plan(model: str, cluster: str, **strategy):

@@ -19,6 +19,7 @@ from .config import JobConfig
 from .passes import ShardContext, shard_step
 from .passes.carveout import choose as carveout_settings
 from .runtime.executor import Compiled, executable
+from .sharding import annotate
 
 
 def rank_free(code: str, groups: dict[str, str] | None = None) -> str:
@@ -113,7 +114,7 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
         if getattr(groups[name], name) not in (None, False):
             raise ValueError(f"{name} does not compose with tensor parallelism yet (mesh tp={ranks}): leave it "
                              "off, or use a mesh of dp alone")
-    return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), config.tp_plan or "megatron",
+    return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), "megatron" if config.tp_plan is None else config.tp_plan,
                               config.sequence_parallel, config.allow_replicate)
 
 
@@ -184,6 +185,8 @@ class Compiler:
             placements = None
             if self.tp is not None:
                 cap, placements = self._partition(cap)
+            elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
+                cap.gm.recompile()
             prog = shard_step(cap, self.strategy, self._context(tensors, train), "step" if mode == "eval" else mode)
         except Exception as e:
             # tell the other ranks before raising, so that none waits for this one in a collective;

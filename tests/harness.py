@@ -623,6 +623,35 @@ class CumsumNet(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.down(self.up(x).cumsum(-1)), y)
 
 
+class MarkedNet(torch.nn.Module):
+    """Two products whose hidden activation the model marks in shards of its features (``sw.shard``)."""
+
+    def __init__(self, mark: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mark = mark
+        self.up, self.down = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x, y):
+        h = torch.relu(self.up(x))
+        if self.mark:
+            h = sw.shard(h, sw.Shard(-1))
+        return ((self.down(h) - y) ** 2).mean()
+
+
+def marked_run(tp: int | None, mark: bool = True):
+    """Two steps of MarkedNet on a mesh with ``tp`` ranks and no tp plan: (tp collectives, dp
+    collectives, hints left in the program, full_state_dict)."""
+    model = MarkedNet(mark).double()
+    job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=tp),
+                     **({"tp_plan": {}} if tp else {}))
+    for _ in range(2):
+        job.step(cumsum_batch())
+    prog = job.programs()[0]
+    hints = len(prog.gm.graph.find_nodes(op="call_function", target=torch.ops.shardwise.shard_hint.default))
+    return dict(prog.counts("tp")), dict(prog.counts("dp")), hints, job.full_state_dict()
+
+
 def cumsum_batch():
     g = torch.Generator().manual_seed(0)
     return torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)

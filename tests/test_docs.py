@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["shardwise", "shardwise.job", "shardwise.config", "shardwise.runtime.mesh", "shardwise.capture.trace",
-           "shardwise.sharding.ops", "shardwise.costmodel.model", "shardwise.recipes"]
+           "shardwise.sharding.ops", "shardwise.costmodel.model", "shardwise.recipes", "shardwise.sharding.annotate",
+           "shardwise.sharding.placements", "shardwise.sharding.propagate"]
 
 
 @pytest.mark.parametrize("name", MODULES)

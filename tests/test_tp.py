@@ -283,3 +283,23 @@ def test_an_op_without_a_rule_names_itself_or_ends_the_pair(pools):
     assert rel_param_err(val[2], model.state_dict()) <= 1e-12
     for ok, val in pools(2).run_all(harness.tp_mesh_error, 3):
         assert ok and val[0] == "MeshError" and "the other axes take 3 ranks" in val[1], val
+
+
+def test_a_models_own_mark_places_its_activation(pools):
+    """``sw.shard(h, sw.Shard(-1))`` inside a model with no tp plan: the hidden activation is cut along
+    its features where it is made, so the second product's partial sums are all-reduced before the
+    loss (one tp all-reduce, forward); unmarked, nothing moves on tp. Both train as one device; on a
+    mesh without a tp axis the mark is dropped from the program."""
+    model = harness.MarkedNet().double()
+    opt = harness.adamw(list(model.parameters()))
+    for _ in range(2):
+        model(*harness.cumsum_batch()).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = model.state_dict()
+    tp, _, hints, sd = pools(2).run(harness.marked_run, 2)[0]
+    assert tp["all_reduce"] >= 1 and hints == 0 and rel_param_err(sd, ref) <= 1e-12
+    tp, _, _, sd = pools(2).run(harness.marked_run, 2, False)[0]
+    assert sum(tp.values()) == 0 and rel_param_err(sd, ref) <= 1e-12
+    _, dp, hints, _ = pools(2).run(harness.marked_run, None)[0]
+    assert hints == 0 and dp["all_reduce"] >= 1

@@ -30,6 +30,7 @@ import torch.fx as fx
 from ..capture import Capture, forward_nodes
 from ..sharding import Partial, Replicate, Shard
 from ..sharding.propagate import Propagation, propagate
+from ..sharding.annotate import parse
 from ..sharding.ops import info
 from ..sharding.rules import marks
 from ..sharding.rules.pointwise import is_pointwise
@@ -136,6 +137,8 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
     grads = [ph for ph, t in zip(params, cap.trainable) if t]
     outputs = [Replicate()] + [seeds[ph] for ph in grads]
     fwd = forward_nodes(gm)
+    for n in g.find_nodes(op="call_function", target=torch.ops.shardwise.shard_hint.default):
+        n.target, n.args = marks.mark, (n.args[0], parse(n.args[1]))  # the model's own marks (sw.shard)
     prefer = sequence_marks(g, fwd, ranks) if sequence_parallel else None
     fwd = forward_nodes(gm)
     prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer, allow_replicate=allow_replicate)
