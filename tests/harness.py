@@ -596,6 +596,12 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
     return losses, sd, info
 
 
+def tp_bf16_losses(sp: bool, steps: int = 8):
+    """Losses of the tiny Llama in bf16 compute (fp32 master weights) on dp x tp=2."""
+    return tp_run("llama", "zero3", "fp32", steps, 2, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16),
+                  sequence_parallel=sp)[0]
+
+
 def tp_refused(plan: dict):
     """A tp job whose plan is refused at its first step: (the error, the model left whole?)."""
     model = make_model("llama", "fp64")
