@@ -68,7 +68,7 @@ def compile(
     (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``, ``offload_activations``),
     optimizer offload (``OffloadOptions``), the update (``UpdateOptions``: ``clip_grad_norm``,
     ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and, where ``mesh`` has
-    a tp axis, ``tp_plan`` (``JobConfig``).
+    a tp axis, ``tp_plan``, ``sequence_parallel`` and ``allow_replicate`` (``JobConfig``).
     README.md says what each does and what it measured.
 
     Example::

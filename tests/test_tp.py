@@ -25,9 +25,8 @@ def _check(pools, name, strategy, ws, tp, micro=1, steps=3, tol=1e-10, dtype="fp
 
 
 @pytest.mark.parametrize("name,strategy,ws,micro", [
-    ("llama", "ddp", 2, 1), ("llama", "zero3", 2, 1),
-    ("llama", "zero1", 4, 2), ("llama", "zero2", 4, 1), ("llama", "zero3", 4, 2),
-    ("gpt", "ddp", 4, 1), ("gpt", "zero3", 4, 2), ("moe", "zero2", 4, 1),
+    ("llama", "ddp", 2, 1), ("llama", "zero1", 4, 2), ("llama", "zero3", 4, 2),
+    ("gpt", "zero3", 4, 2), ("moe", "zero2", 4, 1),
 ])
 def test_tp_parity_fp64(pools, name, strategy, ws, micro):
     info = _check(pools, name, strategy, ws, 2, micro)
@@ -41,7 +40,7 @@ def test_tp_parity_fp64(pools, name, strategy, ws, micro):
 
 
 @pytest.mark.parametrize("name,strategy,ws,micro", [
-    ("llama", "ddp", 2, 1), ("llama", "zero3", 4, 2), ("gpt", "zero3", 4, 1), ("moe", "zero2", 4, 1),
+    ("llama", "zero2", 4, 1), ("llama", "zero3", 4, 2), ("gpt", "zero3", 4, 1), ("moe", "zero2", 4, 1),
 ])
 def test_sequence_parallel_parity_fp64(pools, name, strategy, ws, micro):
     info = _check(pools, name, strategy, ws, 2, micro, sequence_parallel=True)
@@ -107,13 +106,13 @@ def test_hugging_face_models_under_tp_and_sp(pools, kind):
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
     reason="torch<2.13 inductor allocates the CPU flash-attention backward's logsumexp in fp32 for fp64 inputs",
 )
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", [True])
 def test_inductor_executes_the_tp_local_step(pools, sp):
     info = _check(pools, "llama", "zero3", 2, 2, sequence_parallel=sp, compile="inductor")
     assert info["tp"]["reduce_scatter" if sp else "all_reduce"] > 0
 
 
-@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("sp", [True])
 def test_bf16_compute_under_tp(pools, sp):
     """bf16 compute with fp32 master weights on tp=2 (the tp collectives move bf16 activations):
     within bf16's rounding of fp32 training over 8 steps (measured 0.28% / 0.34%), and really in bf16."""
@@ -199,7 +198,7 @@ def test_a_replicated_plan_runs_without_tp_collectives(pools):
     assert sum(info["tp"].values()) == 0
 
 
-@pytest.mark.parametrize("strategy,sp", [("ddp", False), ("zero3", False), ("zero3", True)])
+@pytest.mark.parametrize("strategy,sp", [("ddp", False), ("zero3", True)])
 def test_tp_training_loop_parity(pools, strategy, sp):
     """Accumulation, the global grad-norm clip (tp shards' squares added once, whole parameters once),
     the schedule, eval and the export, on dp=2 x tp=2 (and with sequence parallelism)."""

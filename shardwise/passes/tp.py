@@ -136,11 +136,10 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
     seeds = {ph: by_name[name] for ph, name in params.items()}
     grads = [ph for ph, t in zip(params, cap.trainable) if t]
     outputs = [Replicate()] + [seeds[ph] for ph in grads]
-    fwd = forward_nodes(gm)
     for n in g.find_nodes(op="call_function", target=torch.ops.shardwise.shard_hint.default):
         n.target, n.args = marks.mark, (n.args[0], parse(n.args[1]))  # the model's own marks (sw.shard)
-    prefer = sequence_marks(g, fwd, ranks) if sequence_parallel else None
-    fwd = forward_nodes(gm)
+    prefer = sequence_marks(g, forward_nodes(gm), ranks) if sequence_parallel else None
+    fwd = forward_nodes(gm)  # with the marks sequence parallelism inserted
     prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer, allow_replicate=allow_replicate)
     pl = prop.placements
     index_inputs: dict[tuple, fx.Node] = {}
