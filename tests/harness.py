@@ -658,6 +658,16 @@ def marked_run(tp: int | None, mark: bool = True):
     return dict(prog.counts("tp")), dict(prog.counts("dp")), hints, job.full_state_dict()
 
 
+def small_net_reference(model, steps: int = 2) -> dict:
+    """The state of a small test net (CumsumNet, MarkedNet) after ``steps`` eager AdamW steps on one process."""
+    opt = adamw(list(model.parameters()))
+    for _ in range(steps):
+        model(*cumsum_batch()).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
 def cumsum_batch():
     g = torch.Generator().manual_seed(0)
     return torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)

@@ -279,17 +279,12 @@ def test_an_op_without_a_rule_names_itself_or_ends_the_pair(pools):
     for ok, val in pools(2).run_all(harness.tp_unruled, "megatron"):
         assert ok and val[:2] == ("ok", 0), val
     # allow_replicate=True: the op runs on whole inputs, with a warning naming it, and trains as one device
-    model = harness.CumsumNet().double()
-    opt = harness.adamw(list(model.parameters()))
-    for _ in range(2):
-        model(*harness.cumsum_batch()).backward()
-        opt.step()
-        opt.zero_grad()
+    ref = harness.small_net_reference(harness.CumsumNet().double())
     ok, val = pools(2).run_all(harness.tp_unruled, {"up.weight": Shard(0), "down.weight": Shard(1)},
                                allow_replicate=True)[0]
     assert ok and val[0] == "ok" and val[1] > 0, val
     assert any("no sharding rule for aten.cumsum.default" in w and "allow_replicate=True" in w for w in val[3])
-    assert rel_param_err(val[2], model.state_dict()) <= 1e-12
+    assert rel_param_err(val[2], ref) <= 1e-12
     for ok, val in pools(2).run_all(harness.tp_mesh_error, 3):
         assert ok and val[0] == "MeshError" and "the other axes take 3 ranks" in val[1], val
 
@@ -299,13 +294,7 @@ def test_a_models_own_mark_places_its_activation(pools):
     its features where it is made, so the second product's partial sums are all-reduced before the
     loss (one tp all-reduce, forward); unmarked, nothing moves on tp. Both train as one device; on a
     mesh without a tp axis the mark is dropped from the program."""
-    model = harness.MarkedNet().double()
-    opt = harness.adamw(list(model.parameters()))
-    for _ in range(2):
-        model(*harness.cumsum_batch()).backward()
-        opt.step()
-        opt.zero_grad()
-    ref = model.state_dict()
+    ref = harness.small_net_reference(harness.MarkedNet().double())
     tp, _, hints, sd = pools(2).run(harness.marked_run, 2)[0]
     assert tp["all_reduce"] >= 1 and hints == 0 and rel_param_err(sd, ref) <= 1e-12
     tp, _, _, sd = pools(2).run(harness.marked_run, 2, False)[0]

@@ -121,17 +121,23 @@ def _merge_views(g: fx.Graph) -> None:
                 seen[k] = n
 
 
-def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_parallel: bool = False,
-              stage: str | None = None, allow_replicate: bool = False) -> tuple[Capture, Propagation]:
-    """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
-    (with ``sequence_parallel``, the activations between the regions in sequence shards). Returns
-    (its Capture, the propagation it was made from)."""
+def _prepared(cap: Capture) -> tuple[fx.GraphModule, fx.Graph, list[fx.Node], dict[fx.Node, str]]:
+    """A copy of the captured step as the tp passes read it (``addmm`` split, equal views merged):
+    (its module, graph, placeholders, and the parameters' placeholders by name)."""
     gm = copy.deepcopy(cap.gm)
     g = gm.graph
     _decompose_addmm(g)
     _merge_views(g)
     phs = g.find_nodes(op="placeholder")
-    params = dict(zip(phs[: cap.n_params], cap.param_names))
+    return gm, g, phs, dict(zip(phs[: cap.n_params], cap.param_names))
+
+
+def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_parallel: bool = False,
+              stage: str | None = None, allow_replicate: bool = False) -> tuple[Capture, Propagation]:
+    """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
+    (with ``sequence_parallel``, the activations between the regions in sequence shards). Returns
+    (its Capture, the propagation it was made from)."""
+    gm, g, phs, params = _prepared(cap)
     by_name = seeds_of(cap, plan, ranks)
     seeds = {ph: by_name[name] for ph, name in params.items()}
     grads = [ph for ph, t in zip(params, cap.trainable) if t]
@@ -385,19 +391,14 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
     reduction, a norm, a loss or a lookup and whose activation inputs all lie in it (RoPE's tables and
     the weights are constants: any op may read them); a product whose activation operand lies in a
     region is row-parallel, and ends it. The region's products' weights split along their output dim,
-    the row-parallel ones' along their input dim; products that end in no row-parallel one stay whole
-    (the LM head), and so does a pair whose region would need a gather between its products, found by
-    propagating the plan. A product whose output is split in equal blocks (GPT-2's fused q|k|v) has
-    its weight cut in as many blocks (``Shard(d, groups=3)``), so each rank's piece holds its heads
-    of q, of k and of v."""
-    from ..sharding.propagate import propagate as place_all
-
-    gm = copy.deepcopy(cap.gm)
-    g = gm.graph
-    _decompose_addmm(g)
-    _merge_views(g)
-    phs = g.find_nodes(op="placeholder")
-    names = dict(zip(phs[: cap.n_params], cap.param_names))
+    the row-parallel ones' along their input dim. Propagating the plan finds what would need a gather
+    between a pair's products: such a column stays whole (KV heads fewer than the ranks), and a pair
+    that needs one on every path, or at its row product, is left whole. A product whose output is
+    split in equal blocks (GPT-2's fused q|k|v) has its weight cut in as many blocks
+    (``Shard(d, groups=3)``), so each rank's piece holds its heads of q, of k and of v. Of the
+    products that end in no row-parallel one, the LM head (its output the log-softmax's classes, its
+    weight untied) is cut by classes (vocab-parallel, passes/tp_ops.py); the others stay whole."""
+    gm, g, phs, names = _prepared(cap)
     batch = set(phs[cap.n_params + len(cap.buffer_names):])
     fwd = forward_nodes(gm)
     activation = set(batch)
@@ -450,7 +451,7 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
     # them); a pair whose every column (or whose row product's input) does is left whole
     for _ in range(sum(len(cols) + 1 for cols in rows.values())):
         seeds = {ph: plan.get(names[ph], Replicate()) for ph in names}
-        prop = place_all(gm, seeds, ranks)
+        prop = propagate(gm, seeds, ranks)
         bad = {r.node for r in prop.collectives()
                if r.kind in ("all_gather", "reduce_scatter", "all_to_all") and r.node in fwd}
         hit = {c for b in bad for c in region.get(b, frozenset())}
@@ -473,8 +474,9 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
     # the LM head, vocab-parallel: a product no pair holds whose output is the log-softmax's classes,
     # its weight read by nothing else (a head tied to the embedding stays whole), the classes cut evenly
     used = {c for cols in rows.values() for c in cols} | set(rows)
+    placeholder = {nm: ph for ph, nm in names.items()}
     for c, (name, out_dim) in linear.items():
-        w = next(ph for ph, nm in names.items() if nm == name)
+        w = placeholder[name]
         if c not in used and _reaches_log_softmax(c) and w.meta["val"].shape[out_dim] % ranks == 0 \
                 and sum(1 for u in w.users if u in fwd) == 1:
             plan[name] = Shard(out_dim)
