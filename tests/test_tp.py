@@ -1,11 +1,11 @@
 """Tensor parallelism on a mesh of dp x tp ranks (issue 22): parity with single-device training, the
 collectives the partition puts in the step, the state's local shards, and the errors of bad plans."""
 
+import harness
 import pytest
 import torch
-
-import harness
 from harness import reference, rel_param_err
+
 from shardwise.sharding import Replicate, Shard
 
 FFN_ONLY = {"blocks.*.ffn.w1.weight": Shard(0), "blocks.*.ffn.w3.weight": Shard(0),

@@ -29,9 +29,9 @@ import torch.fx as fx
 
 from ..capture import Capture, forward_nodes
 from ..sharding import Partial, Replicate, Shard
-from ..sharding.propagate import Propagation, propagate
 from ..sharding.annotate import parse
 from ..sharding.ops import info
+from ..sharding.propagate import Propagation, propagate
 from ..sharding.rules import marks
 from ..sharding.rules.pointwise import is_pointwise
 from . import emit, tp_ops
