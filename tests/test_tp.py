@@ -250,6 +250,21 @@ def test_a_tp_plan_needs_a_tp_axis():
 
     with pytest.raises(ValueError, match=r"tp_plan applies to a mesh with a tp axis"):
         sw.compile(harness.make_model("llama", "fp64"), optimizer=harness.adamw, mesh=sw.mesh(), tp_plan=FFN_ONLY)
+    with pytest.raises(ValueError, match=r"sequence_parallel shards along the tp axis: use a mesh with one"):
+        sw.compile(harness.make_model("llama", "fp64"), optimizer=harness.adamw, mesh=sw.mesh(), sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sw.shard: the placement must be sw.Shard\(dim\) or sw.Replicate\(\)"):
+        sw.shard(harness.make_batch("llama", 0, 0)[0], 1)
+
+
+def test_a_sequence_the_tp_ranks_do_not_divide_is_refused_by_name():
+    from test_graph import captured
+
+    from shardwise.passes.tp import partition
+
+    _, cap = captured("llama")  # 16 tokens
+    with pytest.raises(ValueError, match=r"sequence_parallel: the sequence of embedding \(shape \(2, 16, 32\), dim 1\) "
+                                         r"has 16 tokens, which 3 tp ranks do not divide"):
+        partition(cap, {}, 3, "tp", sequence_parallel=True)
 
 
 def test_memory_falls_with_tp_and_sp_as_predicted(pools):
