@@ -198,6 +198,9 @@ def _mesh_args(p) -> None:
                         "--strategy acts on): Megatron's column/row-parallel pairs found from the graph")
     p.add_argument("--sp", action="store_true",
                    help="with --tp: sequence parallelism (the residual stream and norms in sequence shards)")
+    p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
+                   help="with --tp: cut the untied LM head by classes (on), keep it whole (off), or as the "
+                        "cost model predicts faster (auto, default)")
 
 
 def _mesh_of(args):
@@ -209,7 +212,10 @@ def _mesh_of(args):
 
 
 def _tp_kw(args) -> dict:
-    return {"sequence_parallel": True} if args.sp else {}
+    if args.vocab_parallel != "auto" and args.tp <= 1:
+        raise SystemExit("--vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N (N > 1)")
+    return {**({"sequence_parallel": True} if args.sp else {}),
+            **({"vocab_parallel": args.vocab_parallel == "on"} if args.vocab_parallel != "auto" else {})}
 
 
 def _optimizer_args(p) -> None:
@@ -237,6 +243,7 @@ def _bench_parser(sub) -> None:
         "uses NCCL; otherwise it spawns --nproc gloo ranks on this machine.",
     )
     _model_args(p)
+    _mesh_args(p)
     p.add_argument("--systems", default="shardwise,shardwise-noopt,compile,ddp,fsdp2",
                    help=f"comma-separated, from: {', '.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=5, help="timed steps per system (default 5)")
@@ -270,7 +277,8 @@ def bench_config(args):
                        warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
                        memory_fraction=args.memory_fraction, link_profile=args.link_profile,
                        trace_dir=args.trace_dir, memory_sites=args.memory_sites,
-                       system_timeout=args.system_timeout)
+                       system_timeout=args.system_timeout, tp=args.tp, sp=args.sp,
+                       vocab_parallel=None if args.vocab_parallel == "auto" else args.vocab_parallel == "on")
 
 
 def bench_main(args) -> None:

@@ -78,10 +78,13 @@ class TensorParallelAxis:
     sequence shards, and, once the first step is captured, each parameter's placement on it."""
 
     def __init__(self, ranks: int, rank: int, group, plan, sequence_parallel: bool = False,
-                 allow_replicate: bool = False):
+                 allow_replicate: bool = False, vocab_parallel: bool | None = None):
         self.ranks, self.rank, self.group, self.plan = ranks, rank, group, plan
         self.sequence_parallel, self.allow_replicate = sequence_parallel, allow_replicate
+        self.vocab_parallel = vocab_parallel
         self.placements: dict | None = None
+        self.head_choice: list[dict] = []
+        """Megatron's plan: the LM head's predicted step and peak, vocab-parallel and whole, and which was kept."""
         self._index: dict[str, object] = {}
 
     def rank_input(self, name: str, device):
@@ -95,7 +98,7 @@ class TensorParallelAxis:
         return self._index[name]
 
 
-NOT_WITH_TP = ("offload_optimizer", "overlap_update", "memory_budget", "keep_gathered", "offload_activations")
+NOT_WITH_TP = ("offload_optimizer", "overlap_update")
 """Options that do not compose with tensor parallelism yet."""
 
 
@@ -107,6 +110,8 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
             raise ValueError("tp_plan applies to a mesh with a tp axis, e.g. sw.mesh(dp=2, tp=2)")
         if config.sequence_parallel:
             raise ValueError("sequence_parallel shards along the tp axis: use a mesh with one, e.g. sw.mesh(tp=2)")
+        if config.vocab_parallel is not None:
+            raise ValueError("vocab_parallel cuts the LM head over the tp axis: use a mesh with one, e.g. sw.mesh(tp=2)")
         return None
     groups = {"offload_optimizer": config.offload, "overlap_update": config.update, "memory_budget": config.memory,
               "keep_gathered": config.memory, "offload_activations": config.memory}
@@ -115,7 +120,7 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
             raise ValueError(f"{name} does not compose with tensor parallelism yet (mesh tp={ranks}): leave it "
                              "off, or use a mesh of dp alone")
     return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), "megatron" if config.tp_plan is None else config.tp_plan,
-                              config.sequence_parallel, config.allow_replicate)
+                              config.sequence_parallel, config.allow_replicate, config.vocab_parallel)
 
 
 class Compiler:
@@ -171,15 +176,46 @@ class Compiler:
         tp = self.tp
         placements = tp.placements
         if placements is None:
-            plan = tp_pass.megatron_plan(cap, tp.ranks) if tp.plan == "megatron" else tp.plan
+            plan = tp.plan
+            if plan == "megatron":
+                if tp.vocab_parallel is None:  # the cost model weighs the head split against it whole
+                    weigh, tp.head_choice = tp_pass.head_choice(cap, self.ctx.cost, tp.ranks, tp.group.group_name,
+                                                                tp.sequence_parallel, self.ctx.stage,
+                                                                tp.allow_replicate)
+                else:
+                    def weigh(split, whole):
+                        return tp.vocab_parallel
+                plan = tp_pass.megatron_plan(cap, tp.ranks, weigh)
             placements = tp_pass.seeds_of(cap, plan, tp.ranks)
         local = tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel, self.ctx.stage,
                                   tp.allow_replicate)[0]
         return local, placements
 
+    def _agree(self, prog) -> None:
+        """The captured single-device graph and the final plan (the rewritten, bucketed, scheduled
+        program, whose node order is the order of collectives) must be the same on every rank."""
+        groups = {self.ctx.group: "dp", **({self.tp.group.group_name: "tp"} if self.tp else {})}
+        cap_hash = hashlib.sha256(rank_free(prog.capture.gm.code, groups).encode()).hexdigest()[:16]
+        plan_hash = hashlib.sha256(rank_free(prog.gm.code, groups).encode()).hexdigest()[:16]
+        self.agree.same(f"capture {cap_hash} plan {plan_hash}", "graph")
+        prog.hashes = {"capture": cap_hash, "plan": plan_hash}
+
+    def _told(self, fn):
+        """``fn()``; where it raises, the other ranks are told before it is raised here, so that none
+        waits for this one in a collective (this rank's own error says more than the disagreement)."""
+        try:
+            return fn()
+        except Exception as e:
+            try:
+                self.agree.same(f"compile error on this rank: {type(e).__name__}: {e}", "graph")
+            except RuntimeError:
+                pass
+            raise
+
     def _compile(self, key, batch, tensors, mode: str) -> None:
         train = mode != "eval"
-        try:
+
+        def first():
             cap = capture_step(self.model, batch, loss_fn=self.loss_fn, param_dtype=self.param_dtype, train=train,
                                with_grads=train, device=self.device)
             placements = None
@@ -187,26 +223,23 @@ class Compiler:
                 cap, placements = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
-            prog = shard_step(cap, self.strategy, self._context(tensors, train), "step" if mode == "eval" else mode)
-        except Exception as e:
-            # tell the other ranks before raising, so that none waits for this one in a collective;
-            # this rank's own error says more than the disagreement, so it is the one raised here
-            try:
-                self.agree.same(f"compile error on this rank: {type(e).__name__}: {e}", "graph")
-            except RuntimeError:
-                pass
-            raise
-        # the captured single-device graph and the final plan (the rewritten, bucketed, scheduled
-        # program, whose node order is the order of collectives) must be the same on every rank
-        groups = {self.ctx.group: "dp", **({self.tp.group.group_name: "tp"} if self.tp else {})}
-        cap_hash = hashlib.sha256(rank_free(prog.capture.gm.code, groups).encode()).hexdigest()[:16]
-        plan_hash = hashlib.sha256(rank_free(prog.gm.code, groups).encode()).hexdigest()[:16]
-        self.agree.same(f"capture {cap_hash} plan {plan_hash}", "graph")
-        prog.hashes = {"capture": cap_hash, "plan": plan_hash}
+            # the first tp program under a budget is planned again once the state holds its tp shards
+            # (below): the one every rank agrees on first needs no budget's search
+            first_tp = placements is not None and self.tp.placements is None
+            ctx = self.ctx if first_tp and self.plan.budget is not None else self._context(tensors, train)
+            prog = shard_step(cap, self.strategy, ctx, "step" if mode == "eval" else mode)
+            return cap, placements, prog
+
+        cap, placements, prog = self._told(first)
+        self._agree(prog)
         if placements is not None and self.tp.placements is None:
             # the first program compiled on every rank: the state takes its tp shards only now, so
             # a refused job leaves the model whole
             self.on_tp_plan(placements)
+            if train and self.plan.budget is not None:
+                # the budget's share was taken from the whole state: plan again from the tp shards'
+                prog = self._told(lambda: shard_step(cap, self.strategy, self._context(tensors, train), mode))
+                self._agree(prog)
         old = self.replanned.pop(key, None)
         if old is not None and old.program.hashes == prog.hashes:
             # the plan made again is the same program (hashes agreed on every rank, so every rank

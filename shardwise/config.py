@@ -181,12 +181,15 @@ class JobConfig:
     """Where the mesh has a tp axis: ``"megatron"`` (the default there: column/row-parallel pairs found
     from the graph, passes/tp.py) or ``{parameter-name glob: sw.Shard(dim) | sw.Replicate()}``."""
     sequence_parallel: bool = False
-    allow_replicate: bool = False
-    """With a tp axis: an op no sharding rule knows runs on whole inputs (gathered, with a warning that
-    names it) instead of stopping the job."""
     """With a tp axis: the activations between the tensor-parallel regions (the residual stream, its
     norms) lie in sequence shards; all-gather before each column-parallel product, reduce-scatter after
     each row-parallel one, in place of the all-reduces."""
+    allow_replicate: bool = False
+    """With a tp axis: an op no sharding rule knows runs on whole inputs (gathered, with a warning that
+    names it) instead of stopping the job."""
+    vocab_parallel: bool | None = None
+    """Megatron's plan: the untied LM head cut by classes (True), whole (False), or whichever the cost
+    model predicts faster (None; passes/tp.py ``head_choice``)."""
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -211,6 +214,12 @@ class JobConfig:
             bad = {k: v for k, v in self.tp_plan.items() if not isinstance(v, (Shard, Replicate))}
             if bad:
                 raise ValueError(f"tp_plan: each placement must be sw.Shard(dim) or sw.Replicate(), got {bad}")
+        if self.vocab_parallel not in (None, True, False):
+            raise ValueError(f"vocab_parallel must be True, False or None (the cost model chooses), "
+                             f"got {self.vocab_parallel!r}")
+        if self.vocab_parallel is not None and self.tp_plan not in (None, "megatron"):
+            raise ValueError("vocab_parallel chooses for Megatron's plan; a tp_plan by hand places the head "
+                             "itself (e.g. {'head.weight': sw.Shard(0)})")
         if self.memory.keep_gathered is not None and self.strategy != "zero3":
             raise ValueError(f"keep_gathered applies to zero3 (every parameter is gathered), not {self.strategy}")
 

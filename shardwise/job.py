@@ -54,6 +54,7 @@ def compile(
     tp_plan=None,
     sequence_parallel: bool = False,
     allow_replicate: bool = False,
+    vocab_parallel: bool | None = None,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 
@@ -68,7 +69,7 @@ def compile(
     (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``, ``offload_activations``),
     optimizer offload (``OffloadOptions``), the update (``UpdateOptions``: ``clip_grad_norm``,
     ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and, where ``mesh`` has
-    a tp axis, ``tp_plan``, ``sequence_parallel`` and ``allow_replicate`` (``JobConfig``).
+    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate`` and ``vocab_parallel`` (``JobConfig``).
     README.md says what each does and what it measured.
 
     Example::
@@ -92,7 +93,7 @@ def compile(
         update=UpdateOptions(clip_grad_norm=clip_grad_norm, fused_optimizer=fused_optimizer,
                              overlap_update=overlap_update),
         matmul_sm_carveout=matmul_sm_carveout, link_profile=link_profile, tp_plan=tp_plan,
-        sequence_parallel=sequence_parallel, allow_replicate=allow_replicate)
+        sequence_parallel=sequence_parallel, allow_replicate=allow_replicate, vocab_parallel=vocab_parallel)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is None:

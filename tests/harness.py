@@ -228,7 +228,7 @@ def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, **compile_kw):
     from shardwise.sharding.collective import collective_of
 
     mesh = sw.mesh(tp=tp)
-    job = sw.compile(make_hf(kind), optimizer=adamw, strategy=strategy, mesh=mesh, **compile_kw)
+    job = sw.compile(make_hf(kind), optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw))
     losses = [float(job.step(hf_batch(s, mesh.rank("dp")))) for s in range(steps)]
     prog = job.programs()[0]
     cs = [collective_of(n) for n in prog.collective_nodes()]
@@ -351,7 +351,8 @@ def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = 
     model = make_model(name, dtype)
     mesh = sw.mesh(tp=tp)
     rank = mesh.rank("dp")
-    job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=mesh, clip_grad_norm=LOOP["clip"], **compile_kw)
+    job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=mesh, clip_grad_norm=LOOP["clip"],
+                     **split_head(compile_kw))
     sched = cosine_with_warmup(job.optimizer, LOOP["warmup"], steps)
     k = LOOP["micro"]
     losses, norms = [], []
@@ -372,7 +373,7 @@ def tp_peak(tp: int | None, sp: bool, strategy: str = "ddp", batch: int = 4):
     model = build("llama", "small")
     mesh = sw.mesh(tp=tp)
     job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh,
-                     **({"sequence_parallel": True} if sp else {}))
+                     **({"sequence_parallel": True} if sp else {}), **(split_head({}) if tp else {}))
     g = torch.Generator().manual_seed(mesh.rank("dp"))
     x = torch.randint(0, 256, (batch, 65), generator=g)
     b = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
@@ -568,6 +569,16 @@ def predicted_peak(**kw):
 
 # -- tensor parallelism (issue 22) ---------------------------------------------------------------
 
+def split_head(kw: dict) -> dict:
+    """tp jobs of the tests cut an untied LM head by classes (``vocab_parallel=True``) unless told
+    otherwise: on the tiny models the cost model would keep it whole (its product costs less than the
+    vocab-parallel log-softmax's small all-reduces), and the tests are of the partition. The cost
+    model's own choice is tested by itself (test_tp.py)."""
+    if kw.get("tp_plan", "megatron") != "megatron" or "vocab_parallel" in kw:
+        return kw
+    return {**kw, "vocab_parallel": True}
+
+
 def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int = 1, over: tuple = (),
            device: str = "cpu", **compile_kw):
     """Train on a mesh of dp x ``tp`` ranks; the ranks of one tp group take their dp rank's batches.
@@ -579,7 +590,7 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
 
     model = make_model(name, dtype, **dict(over)).to(device)
     mesh = sw.mesh(tp=tp, device=device)
-    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh, **compile_kw)
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw))
     d = mesh.rank("dp")
     losses = []
     for s in range(steps):
@@ -594,6 +605,26 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "explain": job.explain()}
     return losses, sd, info
+
+
+def tp_budget_run(budget, steps: int = 3, **kw):
+    """A zero3 step of the tiny fp64 Llama on dp x tp=2 under ``memory_budget``: (parameters the plan
+    keeps gathered, activations it offloads, predicted peak, measured peak of a step, losses, the
+    full state dict)."""
+    from shardwise.runtime.memory import measure
+
+    job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(tp=2),
+                     memory_budget=budget, **split_head(kw))
+    d = job.mesh.rank("dp")
+    losses = [float(job.step(make_batch("llama", 0, d)))]
+    b = make_batch("llama", 1, d)
+    pred = job.predict_memory(b)["peak"]
+    loss, peak = measure(job, lambda: job.step(b))
+    losses.append(float(loss))
+    losses += [float(job.step(make_batch("llama", s, d))) for s in range(2, steps)]
+    prog = job.programs()[0]
+    sd = {k: v.cpu() for k, v in job.full_state_dict().items()}
+    return list(prog.unsharded or []), list(prog.offloaded or []), pred, peak, losses, sd
 
 
 def tp_bf16_losses(sp: bool, steps: int = 8):

@@ -182,6 +182,27 @@ def test_bench_writes_json_and_plot(tmp_path):
             p.stdout + p.stderr
 
 
+def test_bench_runs_tp_against_torchs_fsdp2_and_tp(tmp_path):
+    """``bench --tp 2 --sp``: shardwise on a tp mesh and torch's FSDP2 + TP (DTensor
+    ``parallelize_module``, sequence parallel, vocab-parallel loss) train the same Llama on the same
+    batches to the same loss; tokens per GPU count a tp group's shared batch once; a peer without
+    tensor parallelism says so in its row."""
+    import json
+
+    out = run_cli("bench", "--model", "llama", "--size", "tiny", "--nproc", "2", "--tp", "2", "--sp", "--steps", "2",
+                  "--warmup", "1", "--systems", "shardwise,fsdp2,ddp", "--out", str(tmp_path), "--name", "t")
+    rec = json.loads((tmp_path / "t.json").read_text())
+    assert rec["config"]["tp"] == 2 and rec["config"]["sp"], rec["config"]
+    rows = {r["system"]: r for r in rec["results"]}
+    assert "no tensor parallelism" in rows["ddp"]["error"], out
+    for s in ("shardwise", "fsdp2"):
+        r = rows[s]
+        assert "error" not in r, r
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(rec["config"]["batch"] * 16 / r["step_s"] / 2)
+    assert rows["shardwise"]["loss"] == pytest.approx(rows["fsdp2"]["loss"], rel=1e-5)
+    assert rows["shardwise"]["pred_step_s"] > 0
+
+
 def test_bench_rejects_unknown_systems_and_options():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise,megatron", "--nproc", "1"],
                        capture_output=True, text=True, timeout=120)

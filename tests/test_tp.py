@@ -143,6 +143,32 @@ def test_tp_fp32_20_steps_as_exact_as_single_device_fp32(pools):
     assert dl <= max(1e-5, 1.5 * dl_ref), (dl, dl_ref)
 
 
+def test_the_cost_model_weighs_the_vocab_parallel_head():
+    """Megatron's plan cuts the untied head by classes only where the cost model predicts it pays:
+    both tp-local steps partitioned and simulated. The tiny Llama's 64 classes: the head's product
+    costs less than the vocab-parallel log-softmax's small all-reduces, so it stays whole; 32768
+    classes: split (a tie would go to the split head, which holds 1/tp of the logits)."""
+    from shardwise.capture import capture_step
+    from shardwise.costmodel import CostModel
+    from shardwise.passes import tp
+
+    for vocab, split in ((64, False), (32768, True)):
+        model = harness.make_model("llama", "fp32", vocab=vocab)
+        x = torch.randint(0, vocab, (2, 16))
+        weigh, seen = tp.head_choice(capture_step(model, (x, x)), CostModel.for_job(None, "cpu"), 2, "g")
+        plan = tp.megatron_plan(capture_step(model, (x, x)), 2, weigh)
+        (h,) = seen
+        assert h["head"] == "head.weight" and h["vocab_parallel"] == split and ("head.weight" in plan) == split
+        assert (h["split_s"] < h["whole_s"]) == split and h["split_peak"] < h["whole_peak"]
+        assert plan["blocks.0.attn.wq.weight"] == Shard(0)  # the pairs are the same either way
+
+
+def test_a_head_the_cost_model_keeps_whole_trains_alike(pools):
+    info = _check(pools, "llama", "zero3", 2, 2, vocab_parallel=None)
+    assert tuple(info["shapes"]["head.weight"]) == (64, 32)  # whole, as the cost model chose
+    assert "LM head head.weight: whole, by the cost model" in info["explain"]
+
+
 def test_megatron_plan_on_llama_splits_heads_and_mlp(pools):
     """The graph change: each layer's attention and MLP become column/row-parallel pairs, so the step
     holds 2 all-reduces per layer forward (after wo and w2) and 2 backward (the gradients of the
@@ -234,9 +260,33 @@ def test_a_shard_the_tp_ranks_do_not_divide_is_refused_by_name():
         seeds_of(cap, {"blocks.*.ffn.w1.weight": Shard(0)}, 5)
 
 
+def test_a_memory_budget_plans_the_tp_local_step(pools):
+    """The memory plan of a dp2 x tp2 zero3 job acts on the tp-local program and state: a budget a
+    little over the sharded plan's peak keeps some tp shards gathered over dp, the measured peak
+    within the budget and predicted within 5%; activation offload moves tp-local activations to
+    the host; both train as one device does."""
+    ref_losses, ref_sd = reference("llama", "fp64", 2, 3)
+
+    def same(losses, sd):
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
+        assert rel_param_err(sd, ref_sd) <= 1e-10
+
+    kept0, _, _, peak0, *_ = pools(4).run(harness.tp_budget_run, None, sequence_parallel=True)[0]
+    # room for a part of the gathered tp shards on top of the sharded plan's peak (the parameters of
+    # the tiny Llama are 7% of its peak; a tighter budget would have activations offloaded, which a
+    # CPU measurement cannot see: host and device are one memory)
+    budget = peak0 + 20_000
+    kept, _, pred, peak, losses, sd = pools(4).run(harness.tp_budget_run, budget, sequence_parallel=True)[0]
+    assert not kept0 and 0 < len(kept) < len(sd) and peak <= budget and abs(pred - peak) <= 0.05 * peak
+    same(losses, sd)
+    ref_losses, ref_sd = reference("llama", "fp64", 1, 3)
+    _, offloaded, *_, losses, sd = pools(2).run(harness.tp_budget_run, None, offload_activations=True)[0]
+    assert offloaded
+    same(losses, sd)
+
+
 @pytest.mark.parametrize("kw,says", [
     ({"offload_optimizer": "all"}, "offload_optimizer does not compose with tensor parallelism"),
-    ({"memory_budget": 0.5}, "memory_budget does not compose with tensor parallelism"),
     ({"tp_plan": "column"}, "tp_plan must be 'megatron' or a dict"),
     ({"tp_plan": {"*": "shard"}}, "each placement must be sw.Shard(dim) or sw.Replicate()"),
 ])

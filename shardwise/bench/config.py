@@ -43,6 +43,15 @@ class BenchConfig:
     memory_sites: bool = False
     """CUDA: record the allocator over one more step and add to each row the blocks live at its peak,
     grouped by where they were allocated (``memory_at_peak``)."""
+    tp: int = 1
+    """Tensor-parallel ranks (adjacent ranks; the rest are dp): shardwise runs on ``sw.mesh(tp=tp)``, the
+    FSDP2 peers on torch's TP (DTensor ``parallelize_module``) over the same 2-D mesh; each tp group
+    trains on its dp rank's batches."""
+    sp: bool = False
+    """With ``tp``: sequence parallelism in every system that has it."""
+    vocab_parallel: bool | None = None
+    """With ``tp``: shardwise's LM head cut by classes (True), whole (False), or as its cost model chooses
+    (None); torch's TP peers always run a vocab-parallel head and loss (``loss_parallel``)."""
     system_timeout: float | None = None
     """Stop a system whose warm-up is still running this many seconds after it began (checked after
     each warm-up step, agreed by every rank): its row gets the error, the next system runs."""
@@ -68,6 +77,12 @@ class BenchConfig:
             if self.link_profile not in PRESETS and not os.path.isfile(self.link_profile):
                 raise ValueError(f"bench: --link-profile {self.link_profile!r} is neither a preset "
                                  f"({', '.join(PRESETS)}) nor a file: run `shardwise calibrate --out FILE` first")
+        if self.tp < 1:
+            raise ValueError(f"bench: --tp is the number of tensor-parallel ranks, >= 1; got {self.tp}")
+        if self.sp and self.tp == 1:
+            raise ValueError("bench: --sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
+        if self.vocab_parallel is not None and self.tp == 1:
+            raise ValueError("bench: --vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N")
         if self.steps < 1 or self.warmup < 1:
             raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
 

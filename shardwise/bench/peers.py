@@ -45,9 +45,12 @@ def peer(system: str, cfg: BenchConfig, model, device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if system.split(":")[0] in ("deepspeed", "deepcompile"):
-        return _deepspeed(system, cfg, model, device)
     kind = system.split(":")[0]
+    if cfg.tp > 1 and kind not in TP_PEERS:
+        raise RuntimeError(f"{kind} has no tensor parallelism in this bench: with --tp run {', '.join(TP_PEERS)}")
+    if kind in ("deepspeed", "deepcompile"):
+        return _deepspeed(system, cfg, model, device)
+    loss_ctx = contextlib.nullcontext
     if kind in ("fsdp2", "fsdp2-compile", "fsdp2-offload"):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
@@ -55,10 +58,23 @@ def peer(system: str, cfg: BenchConfig, model, device):
             if cfg.precision == "bf16" else MixedPrecisionPolicy()
         # fsdp2-offload: sharded parameters, gradients and the optimizer step on the host (pinned)
         off = CPUOffloadPolicy() if kind == "fsdp2-offload" else OffloadPolicy()
+        dp_mesh = None
+        if cfg.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            dp_mesh = tensor_parallel(model, cfg, device)
+            loss_ctx = loss_parallel
         for blk in model.blocks:
-            fully_shard(blk, mp_policy=mp, offload_policy=off)
-        fully_shard(model, mp_policy=mp, offload_policy=off)
-        run = torch.compile(model) if kind == "fsdp2-compile" else model
+            fully_shard(blk, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
+        run = model
+        if kind == "fsdp2-compile" and cfg.tp > 1:
+            # each block compiled, as torchtitan does under TP (the whole model's graph mixes the
+            # fake modes of the vocab-parallel embedding's DTensors under dynamo)
+            for blk in model.blocks:
+                blk.compile()
+        elif kind == "fsdp2-compile":
+            run = torch.compile(model)
         amp = False  # FSDP2 casts the parameters itself
     elif kind == "ddp":
         run = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -71,14 +87,67 @@ def peer(system: str, cfg: BenchConfig, model, device):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **({"fused": True} if options(system).get("fused") else {}))
 
     def step(batch):
-        with _autocast(cfg, device) if amp else contextlib.nullcontext():
-            loss = run(*batch)
-        loss.backward()
+        with loss_ctx():
+            with _autocast(cfg, device) if amp else contextlib.nullcontext():
+                loss = run(*batch)
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        loss = loss.detach()
+        return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
     return step, opt
+
+
+TP_PEERS = ("compile", "fsdp2", "fsdp2-compile")
+"""The peers a bench with --tp runs: FSDP2 over dp with torch's TP over tp, and compile's ceiling."""
+
+
+def tensor_parallel(model, cfg: BenchConfig, device):
+    """torch's own tensor parallelism on a built-in Llama, as torchtitan applies it: DTensor
+    ``parallelize_module`` over the tp axis of a (dp, tp) ``DeviceMesh`` (tp innermost) — q/k/v and
+    gate/up column-parallel, o and down row-parallel, the embedding row-parallel (vocab) and the head
+    column-parallel into a vocab-parallel loss (``loss_parallel``); with ``cfg.sp`` the norms and the
+    residual stream in sequence shards (``SequenceParallel``). Each attention module is told its
+    local head counts. Returns the dp mesh for FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp = cfg.tp
+    if cfg.model != "llama":
+        raise RuntimeError(f"the FSDP2+TP peer is written for the built-in llama, not {cfg.model}")
+    c = model.cfg
+    if c.n_kv_head % tp or c.n_head % tp:
+        raise RuntimeError(f"torch's TP splits heads: n_head={c.n_head} and n_kv_head={c.n_kv_head} must be "
+                           f"divisible by --tp {tp}")
+    mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    seq = Shard(1) if cfg.sp else Replicate()
+    parallelize_module(model, mesh["tp"], {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        **({"norm": SequenceParallel()} if cfg.sp else {}),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    })
+    for blk in model.blocks:
+        plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+                "attn.wo": RowwiseParallel(output_layouts=seq),
+                "ffn.w1": ColwiseParallel(), "ffn.w3": ColwiseParallel(), "ffn.w2": RowwiseParallel(output_layouts=seq)}
+        if cfg.sp:
+            plan.update({
+                "attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                           desired_input_layouts=(Replicate(), None, None)),
+                "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(blk, mesh["tp"], plan)
+        blk.attn.n_head //= tp
+        blk.attn.n_kv //= tp
+    return mesh["dp"]
 
 
 def _deepspeed(system, cfg, model, device):

@@ -29,6 +29,12 @@ run), ``deepspeed`` (ZeRO-3; ``deepspeed:offload=1`` offloads the optimizer to C
 ``+ratio=0.7`` only that share of it) and ``deepcompile`` (``deepcompile:offload=1``: its
 ``offload_opt_states``) where deepspeed is installed on a CUDA machine. A system
 that fails (out of memory, missing package) is recorded with its error; the others still run.
+
+With ``--tp N [--sp]`` shardwise runs on ``sw.mesh(tp=N)`` and ``fsdp2`` / ``fsdp2-compile`` become
+torch's FSDP2 over dp with its own TP over tp (peers.tensor_parallel: DTensor ``parallelize_module``
+with ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` and ``loss_parallel``, the
+built-in Llama); a tp group trains on one batch, so tokens per GPU are its tokens over N. Each
+row's ``loss`` (the last timed step's) shows that the systems trained the same model alike.
 """
 
 from __future__ import annotations
@@ -91,7 +97,10 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     seq = cfg.seq or model.cfg.seq
     fpt = flops_per_token(model, seq)
     data = SyntheticStream(model.cfg.vocab, seq, cfg.batch, cfg.seed)
-    batches = [tuple(t.to(device) for t in data.get(i, rank)) for i in range(cfg.warmup + cfg.steps + 2)]
+    if ws % cfg.tp:
+        raise ValueError(f"bench: --tp {cfg.tp} does not divide the {ws} ranks")
+    # tp innermost: the ranks of one tp group are adjacent and train on their dp rank's batches
+    batches = [tuple(t.to(device) for t in data.get(i, rank // cfg.tp)) for i in range(cfg.warmup + cfg.steps + 2)]
     row = {"system": system, "step_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "peak_mem_gb": None,
            "exposed_comm_pct": None, "pred_step_s": None, "pred_peak_mem_gb": None}
     # the communication library's settings this row ran under (rows of one record may come from
@@ -105,8 +114,10 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         executor = cfg.executor if cfg.executor != "auto" else ("inductor" if device.type == "cuda" else "fx")
         opts = {"schedule": not system.startswith("shardwise-noopt"), **options(system)}
         job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=cfg.lr), strategy=cfg.strategy,
-                         mesh=sw.mesh(), mixed_precision=mp, compile=opts.pop("compile", executor),
-                         link_profile=cfg.link_profile, **opts)
+                         mesh=sw.mesh(tp=cfg.tp if cfg.tp > 1 else None), mixed_precision=mp,
+                         compile=opts.pop("compile", executor), link_profile=cfg.link_profile,
+                         **({"sequence_parallel": True} if cfg.sp else {}),
+                         **({"vocab_parallel": cfg.vocab_parallel} if cfg.vocab_parallel is not None else {}), **opts)
         row["pred_peak_mem_gb"] = job.predict_memory(batches[0])["peak"] / 1e9
         step, opt = job.step, job.optimizer
         job.time_optimizer = True
@@ -202,13 +213,14 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     t0 = time.perf_counter()
     for i in range(cfg.steps):
         loss = step(batches[cfg.warmup + i])
-    float(loss)
+    row["loss"] = float(loss)  # the last timed step's: every system trains the same model on the same batches
     sync(device)
     # every rank's mean; the job runs at the pace of the slowest rank
     mean = torch.tensor([(time.perf_counter() - t0) / cfg.steps], dtype=torch.float64)
     dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=ctrl)
     row["step_s"] = float(mean)
-    row["tokens_per_s_per_gpu"] = cfg.batch * seq / row["step_s"]
+    # the ranks of a tp group share their batch; compile's ceiling runs each rank's batch alone
+    row["tokens_per_s_per_gpu"] = cfg.batch * seq / row["step_s"] / (1 if system == "compile" else cfg.tp)
     peak = peak_flops(device)
     if peak:
         row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / peak

@@ -385,7 +385,7 @@ def _fused_blocks(mm: fx.Node) -> int:
     return 1
 
 
-def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
+def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]:
     """Megatron's pairs, found from the graph (module names play no part). A product of activations by
     a weight starts a column-parallel region; the region grows through every forward op that is not a
     reduction, a norm, a loss or a lookup and whose activation inputs all lie in it (RoPE's tables and
@@ -397,7 +397,8 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
     split in equal blocks (GPT-2's fused q|k|v) has its weight cut in as many blocks
     (``Shard(d, groups=3)``), so each rank's piece holds its heads of q, of k and of v. Of the
     products that end in no row-parallel one, the LM head (its output the log-softmax's classes, its
-    weight untied) is cut by classes (vocab-parallel, passes/tp_ops.py); the others stay whole."""
+    weight untied) is cut by classes (vocab-parallel, passes/tp_ops.py) where ``weigh(with, without)``
+    (the two plans; see ``head_choice``) keeps it so; the others stay whole."""
     gm, g, phs, names = _prepared(cap)
     batch = set(phs[cap.n_params + len(cap.buffer_names):])
     fwd = forward_nodes(gm)
@@ -479,8 +480,37 @@ def megatron_plan(cap: Capture, ranks: int = 2) -> dict[str, object]:
         w = placeholder[name]
         if c not in used and _reaches_log_softmax(c) and w.meta["val"].shape[out_dim] % ranks == 0 \
                 and sum(1 for u in w.users if u in fwd) == 1:
-            plan[name] = Shard(out_dim)
+            split = {**plan, name: Shard(out_dim)}
+            if weigh is None or weigh(split, plan):
+                plan = split
     return plan
+
+
+HEAD_TIE = 0.02
+"""A whole head predicted faster than the vocab-parallel one by less than this fraction of the step
+does not count as faster: the split one holds 1/tp of the logits, the head and its optimizer state."""
+
+
+def head_choice(cap: Capture, cost, ranks: int, group: str, sequence_parallel: bool = False,
+                stage: str | None = None, allow_replicate: bool = False):
+    """Megatron's ``weigh`` by the cost model: each plan's tp-local step partitioned and simulated
+    (``cost.estimate``: step time, peak); the vocab-parallel head is kept unless the whole one is
+    predicted faster by more than ``HEAD_TIE``. Returns (weigh, the list each weighing is recorded in:
+    the head's name, both predictions and which was kept)."""
+    seen: list[dict] = []
+
+    def weigh(split: dict, whole: dict) -> bool:
+        t = {}
+        for k, plan in (("split", split), ("whole", whole)):
+            local = partition(cap, plan, ranks, group, sequence_parallel, stage, allow_replicate)[0]
+            t[k] = cost.estimate(local.gm)
+        keep = t["whole"][0] >= (1 - HEAD_TIE) * t["split"][0]
+        (name,) = set(split) - set(whole)
+        seen.append({"head": name, "split_s": t["split"][0], "split_peak": t["split"][1],
+                     "whole_s": t["whole"][0], "whole_peak": t["whole"][1], "vocab_parallel": keep})
+        return keep
+
+    return weigh, seen
 
 
 def _reaches_log_softmax(mm: fx.Node) -> bool:
