@@ -123,7 +123,7 @@ def explain(job) -> str:
             place += f"  tp {tp.placements.get(n, 'R')}"
         lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
     for h in job.tp.head_choice if job.tp is not None else ():
-        lines.append(f"  LM head {h['head']}: {'vocab-parallel' if h['vocab_parallel'] else 'whole'}, by the cost "
+        lines.append(f"  {h['head']}: {'vocab-parallel' if h['vocab_parallel'] else 'whole'}, by the cost "
                      f"model: step {h['split_s'] * 1e3:.3f} ms vocab-parallel (peak {h['split_peak'] / 2**20:.2f} "
                      f"MiB) vs {h['whole_s'] * 1e3:.3f} ms whole (peak {h['whole_peak'] / 2**20:.2f} MiB); "
                      "vocab_parallel=True|False decides instead")

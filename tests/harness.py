@@ -699,6 +699,41 @@ def small_net_reference(model, steps: int = 2) -> dict:
     return model.state_dict()
 
 
+class PaddedNet(torch.nn.Module):
+    """An embedding with a padding row, an MLP pair and an untied head: a token model in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(16, 8, padding_idx=0)
+        self.up, self.down = torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(12, 8, bias=False)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, idx, targets):
+        h = self.tok(idx)
+        h = h + self.down(torch.relu(self.up(h)))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def padded_run(tp: int | None, **kw):
+    """Three steps of PaddedNet (fp64) on a mesh with ``tp`` ranks: (losses, full_state_dict, tp
+    placements of the parameters, tp collectives by kind and phase)."""
+    from collections import Counter
+
+    from shardwise.sharding.collective import collective_of
+
+    job = sw.compile(PaddedNet().double(), optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=tp), **kw)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        idx = torch.randint(0, 16, (2, 6), generator=g)
+        idx[:, -1] = 0  # padding tokens: the padding row takes no gradient
+        losses.append(float(job.step((idx, torch.randint(0, 16, (2, 6), generator=g)))))
+    prog = job.programs()[0]
+    counts = Counter((c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()) if c.axis == "tp")
+    return losses, job.full_state_dict(), (job.tp.placements if tp else None), counts
+
+
 def cumsum_batch():
     g = torch.Generator().manual_seed(0)
     return torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)

@@ -52,17 +52,18 @@ def test_sequence_parallel_trades_each_all_reduce_for_a_gather_and_a_scatter(poo
     sequence shards, so each layer's 2 forward all-reduces become an all-gather before each
     column-parallel pair and a reduce-scatter after each row-parallel product, the same again in
     the backward, and no activation of a layer is all-reduced. The vocab-parallel head gathers its
-    input (forward) and reduce-scatters its input's gradient (backward); left on tp: the head's row
-    max and sum and the loss's partial sum (forward), the log-softmax gradient's sum and one
-    all-reduce of the gradients of the whole parameters that the sequence shards made in part (the
-    5 norms' and the embedding's)."""
+    input (forward) and reduce-scatters its input's gradient (backward); the vocab-parallel
+    embedding's partial lookup is reduce-scattered into sequence shards (forward) and its output's
+    gradient gathered (backward); left on tp: the head's row max and sum and the loss's partial sum
+    (forward), the log-softmax gradient's sum and one all-reduce of the gradients of the whole
+    parameters that the sequence shards made in part (the 5 norms')."""
     info = _check(pools, "llama", "ddp", 2, 2, sequence_parallel=True)
     layers, ph = 2, info["phases"]
     assert ph[("tp", "all_gather", "fwd")] == ph[("tp", "reduce_scatter", "bwd")] == 2 * layers + 1
-    assert ph[("tp", "reduce_scatter", "fwd")] == ph[("tp", "all_gather", "bwd")] == 2 * layers
+    assert ph[("tp", "reduce_scatter", "fwd")] == ph[("tp", "all_gather", "bwd")] == 2 * layers + 1
     assert ph[("tp", "all_reduce", "fwd")] == 3
     assert ph[("tp", "all_reduce", "bwd")] == 2
-    assert info["tp_all_reduced"] == sorted(["tok.weight", "norm.weight"] + [
+    assert info["tp_all_reduced"] == sorted(["norm.weight"] + [
         f"blocks.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")])
 
 
@@ -84,7 +85,9 @@ def test_gpt_fused_qkv_is_cut_by_heads(pools):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_hugging_face_models_under_tp_and_sp(pools, kind):
     """HF LlamaForCausalLM and GPT2LMHeadModel (Conv1D, fused c_attn) unmodified: the plan found
-    from their graphs, the same collectives as the built-in models, the same training as one device.
+    from their graphs, the same collectives as the built-in models (Llama's untied embedding
+    vocab-parallel too: one more forward all-reduce, or under sp a reduce-scatter in place of its
+    slice and a gather of its gradient), the same training as one device.
     HF computes its loss in fp32 (``logits.float()``) even in an fp64 model, so Llama's vocab-parallel
     log-softmax (its max and sum reduced over the ranks) matches to fp32 rounding; GPT-2's head is
     tied to its embedding and stays whole, to 1e-10."""
@@ -97,9 +100,9 @@ def test_hugging_face_models_under_tp_and_sp(pools, kind):
         assert rel_param_err(sd, ref_sd) <= tol
         if sp:
             assert counts[("all_gather", "fwd")] == counts[("reduce_scatter", "bwd")] == 4 + head
-            assert counts[("reduce_scatter", "fwd")] == counts[("all_gather", "bwd")] == 4
+            assert counts[("reduce_scatter", "fwd")] == counts[("all_gather", "bwd")] == 4 + head
         else:
-            assert dict(counts) == {("all_reduce", "fwd"): 4 + 3 * head, ("all_reduce", "bwd"): 4 + 2 * head}
+            assert dict(counts) == {("all_reduce", "fwd"): 4 + 4 * head, ("all_reduce", "bwd"): 4 + 2 * head}
 
 
 @pytest.mark.skipif(
@@ -157,16 +160,22 @@ def test_the_cost_model_weighs_the_vocab_parallel_head():
         x = torch.randint(0, vocab, (2, 16))
         weigh, seen = tp.head_choice(capture_step(model, (x, x)), CostModel.for_job(None, "cpu"), 2, "g")
         plan = tp.megatron_plan(capture_step(model, (x, x)), 2, weigh)
-        (h,) = seen
+        h, e = seen
         assert h["head"] == "head.weight" and h["vocab_parallel"] == split and ("head.weight" in plan) == split
         assert (h["split_s"] < h["whole_s"]) == split and h["split_peak"] < h["whole_peak"]
         assert plan["blocks.0.attn.wq.weight"] == Shard(0)  # the pairs are the same either way
+        # the embedding: a vocab-parallel lookup is one more collective; the tiny table's gradient costs
+        # less than that, so it stays whole (a large one's, a dense [vocab, d] sum, may cost more)
+        assert e["head"] == "tok.weight" and ("tok.weight" in plan) == e["vocab_parallel"]
+        assert e["vocab_parallel"] == (e["whole_s"] >= (1 - tp.HEAD_TIE) * e["split_s"])
+        if vocab == 64:
+            assert not e["vocab_parallel"] and e["split_s"] > e["whole_s"]
 
 
 def test_a_head_the_cost_model_keeps_whole_trains_alike(pools):
     info = _check(pools, "llama", "zero3", 2, 2, vocab_parallel=None)
     assert tuple(info["shapes"]["head.weight"]) == (64, 32)  # whole, as the cost model chose
-    assert "LM head head.weight: whole, by the cost model" in info["explain"]
+    assert "head.weight: whole, by the cost model" in info["explain"]
 
 
 def test_megatron_plan_on_llama_splits_heads_and_mlp(pools):
@@ -174,17 +183,18 @@ def test_megatron_plan_on_llama_splits_heads_and_mlp(pools):
     holds 2 all-reduces per layer forward (after wo and w2) and 2 backward (the gradients of the
     pairs' inputs); the head is vocab-parallel: its log-softmax reduces each row's max and sum of
     exponentials, its loss is a partial sum (3 more forward), the log-softmax's gradient reduces
-    its sum and the head's input gradient is a partial sum (2 more backward). Every parameter of a
-    pair and the head are half their size on each rank, the rest whole."""
+    its sum and the head's input gradient is a partial sum (2 more backward); the embedding is
+    vocab-parallel, its lookup a partial sum (1 more forward). Every parameter of a pair, the head
+    and the embedding are half their size on each rank, the rest whole."""
     info = _check(pools, "llama", "zero3", 4, 2)
     layers = 2
-    assert info["phases"][("tp", "all_reduce", "fwd")] == 2 * layers + 3
+    assert info["phases"][("tp", "all_reduce", "fwd")] == 2 * layers + 4
     assert info["phases"][("tp", "all_reduce", "bwd")] == 2 * layers + 2
     whole = dict(harness.make_model("llama", "fp64").named_parameters())
     shapes = info["shapes"]
     for n, p in whole.items():
         leaf = n.split(".")[-2]
-        if leaf in ("wq", "wk", "wv", "w1", "w3", "head"):
+        if leaf in ("wq", "wk", "wv", "w1", "w3", "head", "tok"):
             want = (p.shape[0] // 2, *p.shape[1:])
         elif leaf in ("wo", "w2"):
             want = (p.shape[0], p.shape[1] // 2)
@@ -195,7 +205,9 @@ def test_megatron_plan_on_llama_splits_heads_and_mlp(pools):
     assert "tp S(1)" in row
     assert any(ln.split()[:3] == ["all_reduce", "tp", "bwd"] for ln in info["explain"].splitlines())
     # each tp collective says why it is there: the move, the value, the op that reads it
-    assert any(ln.split()[:3] == ["all_reduce", "tp", "fwd"] and "P->R" in ln and "for add" in ln
+    # (the residual stream is a partial sum from the vocab-parallel lookup on: it is reduced where
+    # each norm reads it)
+    assert any(ln.split()[:3] == ["all_reduce", "tp", "fwd"] and "P->R" in ln and "for mul,pow" in ln
                for ln in info["explain"].splitlines())
     assert "row max of the log-softmax over class shards" in info["explain"]
 
@@ -208,7 +220,7 @@ def test_kv_heads_fewer_than_the_tp_ranks_are_replicated(pools):
     layers, shapes = 2, info["shapes"]
     assert tuple(shapes["blocks.0.attn.wq.weight"]) == (8, 32) and tuple(shapes["blocks.0.attn.wk.weight"]) == (16, 32)
     assert tuple(shapes["blocks.0.ffn.w1.weight"]) == (12, 32)
-    assert info["phases"][("tp", "all_reduce", "fwd")] == 2 * layers + 3
+    assert info["phases"][("tp", "all_reduce", "fwd")] == 2 * layers + 4
     assert info["phases"][("tp", "all_gather", "bwd")] == 2 * layers  # dk and dv of each layer
 
 
@@ -352,6 +364,24 @@ def test_an_op_without_a_rule_names_itself_or_ends_the_pair(pools):
     assert rel_param_err(val[2], ref) <= 1e-12
     for ok, val in pools(2).run_all(harness.tp_mesh_error, 3):
         assert ok and val[0] == "MeshError" and "the other axes take 3 ranks" in val[1], val
+
+
+def test_a_vocab_parallel_embedding_looks_up_each_ranks_rows(pools):
+    """``vocab_parallel=True``: the untied embedding is cut by rows and the head by classes; each
+    rank looks up the tokens among its rows (zeros for the others: a partial sum, all-reduced once)
+    and adds the gradients of those tokens alone into its rows, the padding row's kept at zero.
+    Trains as one device does (fp64), with and without sequence parallelism."""
+    ref_losses, ref_sd, *_ = pools(1).run(harness.padded_run, None)[0]
+    assert torch.equal(ref_sd["tok.weight"][0], torch.zeros(8, dtype=torch.float64))
+    for sp in (False, True):
+        losses, sd, placements, counts = pools(2).run(harness.padded_run, 2, vocab_parallel=True,
+                                                      sequence_parallel=sp)[0]
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-12
+        assert rel_param_err(sd, ref_sd) <= 1e-12
+        assert placements["tok.weight"] == Shard(0) and placements["head.weight"] == Shard(0)
+        # the lookup's partial sum all-reduced where the pair reads it, or under sp reduce-scattered
+        # into sequence shards
+        assert counts[("reduce_scatter" if sp else "all_reduce", "fwd")] >= 1
 
 
 def test_a_models_own_mark_places_its_activation(pools):

@@ -398,7 +398,9 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
     (``Shard(d, groups=3)``), so each rank's piece holds its heads of q, of k and of v. Of the
     products that end in no row-parallel one, the LM head (its output the log-softmax's classes, its
     weight untied) is cut by classes (vocab-parallel, passes/tp_ops.py) where ``weigh(with, without)``
-    (the two plans; see ``head_choice``) keeps it so; the others stay whole."""
+    (the two plans; see ``head_choice``) keeps it so; the others stay whole. An untied embedding of
+    the batch's tokens (not positions) is cut by rows (vocab-parallel) where ``weigh`` keeps that so
+    (none without a ``weigh``)."""
     gm, g, phs, names = _prepared(cap)
     batch = set(phs[cap.n_params + len(cap.buffer_names):])
     fwd = forward_nodes(gm)
@@ -483,20 +485,30 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
             split = {**plan, name: Shard(out_dim)}
             if weigh is None or weigh(split, plan):
                 plan = split
+    # an untied embedding of the batch's tokens, vocab-parallel where ``weigh`` keeps it so (its rows
+    # cut evenly; the lookup a partial sum: sharding/rules/embedding.py)
+    for n in g.find_nodes(op="call_function", target=aten.embedding.default):
+        w = n.args[0]
+        if n in fwd and w in names and n.args[1] in activation and w.meta["val"].shape[0] % ranks == 0 \
+                and names[w] not in plan and sum(1 for u in w.users if u in fwd) == 1:  # tokens, not positions
+            split = {**plan, names[w]: Shard(0)}
+            if weigh is not None and weigh(split, plan):
+                plan = split
     return plan
 
 
 HEAD_TIE = 0.02
-"""A whole head predicted faster than the vocab-parallel one by less than this fraction of the step
-does not count as faster: the split one holds 1/tp of the logits, the head and its optimizer state."""
+"""A whole table predicted faster than the vocab-parallel one by less than this fraction of the step
+does not count as faster: the split one holds 1/tp of it and of its optimizer state (and, for the
+head, of the logits)."""
 
 
 def head_choice(cap: Capture, cost, ranks: int, group: str, sequence_parallel: bool = False,
                 stage: str | None = None, allow_replicate: bool = False):
     """Megatron's ``weigh`` by the cost model: each plan's tp-local step partitioned and simulated
-    (``cost.estimate``: step time, peak); the vocab-parallel head is kept unless the whole one is
-    predicted faster by more than ``HEAD_TIE``. Returns (weigh, the list each weighing is recorded in:
-    the head's name, both predictions and which was kept)."""
+    (``cost.estimate``: step time, peak); the vocab-parallel table (head or embedding) is kept unless
+    the whole one is predicted faster by more than ``HEAD_TIE``. Returns (weigh, the list each
+    weighing is recorded in: the parameter's name, both predictions and which was kept)."""
     seen: list[dict] = []
 
     def weigh(split: dict, whole: dict) -> bool:

@@ -9,6 +9,9 @@ log-softmax and loss on class shards (a vocab-parallel head, as Megatron's).
 - ``nll_loss_forward``/``nll_loss_backward`` on classes in shards: each rank picks (and gives the
   gradient to) the targets among its classes, found with this rank's class indices
   (``tp_index_<classes>``); the loss is a partial sum, the count of targets whole on every rank.
+- ``embedding`` of a table cut by rows (a vocab-parallel embedding): each rank looks up the tokens
+  among its rows (shifted by its first row) and gives zeros for the others, a partial sum;
+  ``embedding_dense_backward`` adds the gradients of those tokens alone into its rows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..sharding import Partial, Shard
+from ..sharding.rules.embedding import vocab_parallel
 from . import emit
 
 aten = torch.ops.aten
@@ -44,6 +48,11 @@ def rewrite(g: fx.Graph, pl: dict, fwd: set, ranks: int, group: str, stage, inde
             pl[_nll_backward_on_classes(g, n, index_of)] = pl[n]
         elif n.target is aten._log_softmax.default and classes and pl.get(n) == p:
             pl[_log_softmax_on_classes(g, n, reduce, phase)] = p
+        elif n.target is aten.embedding.default and vocab_parallel(pl.get(n.args[0])) and isinstance(pl.get(n), Partial):
+            pl[_lookup_on_rows(g, n, ranks, index_of)] = pl[n]
+        elif n.target is aten.embedding_dense_backward.default and pl.get(n) == Shard(0) and n.args[0] in pl \
+                and not isinstance(pl[n.args[0]], Shard):
+            pl[_lookup_backward_on_rows(g, n, ranks, index_of)] = pl[n]
         elif n.target is aten._log_softmax_backward_data.default and pl.get(n) == pl.get(n.args[0]) and \
                 isinstance(pl.get(n), Shard) and n.args[2] % x.meta["val"].dim() == pl[n].dim:
             pl[_log_softmax_backward_on_classes(g, n, reduce, phase)] = pl[n]
@@ -135,3 +144,49 @@ def _log_softmax_backward_on_classes(g, n, reduce, phase):
     n.replace_all_uses_with(res)
     g.erase_node(n)
     return res
+
+
+def _mine(g, idx, rows: int, ranks: int, index_of, padding_idx: int = -1):
+    """(where each token is one of this rank's rows, its row in this rank's block or 0)."""
+    iv = idx.meta["val"]
+    mine = index_of(rows)
+    shape, dev = list(iv.shape), iv.device
+    first = emit.node(g, aten.select.int, (mine, 0, 0), emit.fake([], torch.long, dev))
+    local = emit.node(g, aten.sub.Tensor, (idx, first), emit.fake(shape, iv.dtype, dev))
+    lo = emit.node(g, aten.ge.Scalar, (local, 0), emit.fake(shape, torch.bool, dev))
+    hi = emit.node(g, aten.lt.Scalar, (local, rows // ranks), emit.fake(shape, torch.bool, dev))
+    hit = emit.node(g, aten.logical_and.default, (lo, hi), emit.fake(shape, torch.bool, dev))
+    if padding_idx >= 0:  # the padding row takes no gradient
+        keep = emit.node(g, aten.ne.Scalar, (idx, padding_idx), emit.fake(shape, torch.bool, dev))
+        hit = emit.node(g, aten.logical_and.default, (hit, keep), emit.fake(shape, torch.bool, dev))
+    safe = emit.node(g, aten.where.ScalarOther, (hit, local, 0), emit.fake(shape, iv.dtype, dev))
+    col = emit.node(g, aten.unsqueeze.default, (hit, -1), emit.fake(shape + [1], torch.bool, dev))
+    return col, safe
+
+
+def _lookup_on_rows(g, n, ranks, index_of):
+    w, idx = n.args[0], n.args[1]
+    v = n.meta["val"]
+    with g.inserting_before(n):
+        col, safe = _mine(g, idx, w.meta["val"].shape[0], ranks, index_of)
+        out = emit.node(g, aten.embedding.default, (w, safe, *n.args[2:]), v)
+        res = emit.node(g, aten.where.ScalarOther, (col, out, 0.0), v)
+    n.replace_all_uses_with(res)
+    g.erase_node(n)
+    return res
+
+
+def _lookup_backward_on_rows(g, n, ranks, index_of):
+    grad, idx, rows, padding_idx = n.args[:4]
+    if len(n.args) > 4 and n.args[4]:
+        raise ValueError("a vocab-parallel embedding with scale_grad_by_freq=True is not supported: each rank "
+                         "would count only its own tokens; keep the embedding whole (vocab_parallel=False)")
+    with g.inserting_before(n):
+        col, safe = _mine(g, idx, rows, ranks, index_of, padding_idx)
+        gv = grad.meta["val"]
+        masked = emit.node(g, aten.where.ScalarOther, (col, grad, 0.0), gv)
+        # the whole row count: the partition's local sizes divide it by the ranks (a table cut by rows)
+        out = emit.node(g, aten.embedding_dense_backward.default, (masked, safe, rows, -1, False), n.meta["val"])
+    n.replace_all_uses_with(out)
+    g.erase_node(n)
+    return out

@@ -20,10 +20,19 @@ aten = torch.ops.aten
 def _einsum(a_dims: str, b_dims: str, out_dims: str, node, place):
     a, b = node.args[0], node.args[1]
     pa, pb = place(a), place(b)
+    reduced = {}
     if isinstance(pa, Partial) or isinstance(pb, Partial):  # linear in each operand: partial times replicated
         if isinstance(pa, Partial) and pb == R or isinstance(pb, Partial) and pa == R:
             return {}, Partial()
-        return {x: R for x in (a, b) if isinstance(place(x), Partial)}, R
+        # a partial beside a shard (or another partial) is reduced first; the product then goes on
+        # as it would on the whole value (a column-parallel product of a reduced sum)
+        reduced = {x: R for x in (a, b) if isinstance(place(x), Partial)}
+        pa, pb = (R if a in reduced else pa), (R if b in reduced else pb)
+    need, out = _placed(a_dims, b_dims, out_dims, a, b, pa, pb)
+    return {**reduced, **need}, out  # a reduced operand that is then sliced: one reduce-scatter
+
+
+def _placed(a_dims, b_dims, out_dims, a, b, pa, pb):
     la = a_dims[pa.dim] if isinstance(pa, Shard) else None
     lb = b_dims[pb.dim] if isinstance(pb, Shard) else None
     contracted = set(a_dims) & set(b_dims) - set(out_dims)
