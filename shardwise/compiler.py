@@ -83,6 +83,11 @@ class TensorParallelAxis:
         self.sequence_parallel, self.allow_replicate = sequence_parallel, allow_replicate
         self.vocab_parallel = vocab_parallel
         self.placements: dict | None = None
+        self.gather: str | None = None
+        """Which operand products of two shards gather (sharding/propagate.py ``GATHER``), once chosen."""
+        self.next_gather: str | None = None
+        self.gather_choice: dict | None = None
+        """The cost model's weighing of the two, where their plans differ."""
         self.head_choice: list[dict] = []
         """Megatron's plan: the LM head's predicted step and peak, vocab-parallel and whole, and which was kept."""
         self._index: dict[str, object] = {}
@@ -187,8 +192,16 @@ class Compiler:
                         return tp.vocab_parallel
                 plan = tp_pass.megatron_plan(cap, tp.ranks, weigh)
             placements = tp_pass.seeds_of(cap, plan, tp.ranks)
-        local = tp_pass.partition(cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel, self.ctx.stage,
-                                  tp.allow_replicate)[0]
+        args = (cap, placements, tp.ranks, tp.group.group_name, tp.sequence_parallel, self.ctx.stage, tp.allow_replicate)
+        if tp.gather is None and tp.sequence_parallel:
+            # products of two shards (sequence parallelism's) gather the activation or the smaller
+            # operand: the cost model weighs both plans once, and every later program follows
+            gather, local, tp.gather_choice = tp_pass.gather_choice(*args[:2], self.ctx.cost, *args[2:])
+        else:
+            gather = tp.gather or "activation"
+            local = tp_pass.partition(*args, gather=gather)[0]
+        if placements is not tp.placements:  # the first program: its choices are kept with its plan
+            tp.next_gather = gather
         return local, placements
 
     def _agree(self, prog) -> None:

@@ -164,7 +164,7 @@ class Job:
         from .runtime.state import TensorParallel
 
         tp, named = self.tp, list(self.model.named_parameters())
-        tp.placements = placements
+        tp.placements, tp.gather = placements, tp.next_gather or "activation"
         state = TensorParallel(placements, tp.ranks, tp.rank, tp.group)
         shapes = [state.local(n, p).shape for n, p in named]
         self.layouts = layouts_for([n for n, _ in named], shapes, 1 if self.strategy == "ddp" else self.mesh.dp)

@@ -122,6 +122,12 @@ def explain(job) -> str:
         if tp is not None:
             place += f"  tp {tp.placements.get(n, 'R')}"
         lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
+    g = job.tp.gather_choice if job.tp is not None else None
+    if g:
+        lines.append(f"  products of two shards gather {'the smaller operand' if g['gather'] == 'fewer_bytes' else 'the activation'}"
+                     f", by the cost model: step {g['activation_s'] * 1e3:.3f} ms gathering activations (peak "
+                     f"{g['activation_peak'] / 2**20:.2f} MiB) vs {g['fewer_bytes_s'] * 1e3:.3f} ms gathering the "
+                     f"smaller operand (peak {g['fewer_bytes_peak'] / 2**20:.2f} MiB)")
     for h in job.tp.head_choice if job.tp is not None else ():
         lines.append(f"  {h['head']}: {'vocab-parallel' if h['vocab_parallel'] else 'whole'}, by the cost "
                      f"model: step {h['split_s'] * 1e3:.3f} ms vocab-parallel (peak {h['split_peak'] / 2**20:.2f} "

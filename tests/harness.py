@@ -228,7 +228,7 @@ def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, **compile_kw):
     from shardwise.sharding.collective import collective_of
 
     mesh = sw.mesh(tp=tp)
-    job = sw.compile(make_hf(kind), optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw))
+    job = sw.compile(make_hf(kind), optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw, tp))
     losses = [float(job.step(hf_batch(s, mesh.rank("dp")))) for s in range(steps)]
     prog = job.programs()[0]
     cs = [collective_of(n) for n in prog.collective_nodes()]
@@ -352,7 +352,7 @@ def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = 
     mesh = sw.mesh(tp=tp)
     rank = mesh.rank("dp")
     job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=mesh, clip_grad_norm=LOOP["clip"],
-                     **split_head(compile_kw))
+                     **split_head(compile_kw, tp))
     sched = cosine_with_warmup(job.optimizer, LOOP["warmup"], steps)
     k = LOOP["micro"]
     losses, norms = [], []
@@ -373,7 +373,7 @@ def tp_peak(tp: int | None, sp: bool, strategy: str = "ddp", batch: int = 4):
     model = build("llama", "small")
     mesh = sw.mesh(tp=tp)
     job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh,
-                     **({"sequence_parallel": True} if sp else {}), **(split_head({}) if tp else {}))
+                     **({"sequence_parallel": True} if sp else {}), **split_head({}, tp))
     g = torch.Generator().manual_seed(mesh.rank("dp"))
     x = torch.randint(0, 256, (batch, 65), generator=g)
     b = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
@@ -569,18 +569,18 @@ def predicted_peak(**kw):
 
 # -- tensor parallelism (issue 22) ---------------------------------------------------------------
 
-def split_head(kw: dict) -> dict:
+def split_head(kw: dict, tp: int | None) -> dict:
     """tp jobs of the tests cut an untied LM head by classes (``vocab_parallel=True``) unless told
     otherwise: on the tiny models the cost model would keep it whole (its product costs less than the
     vocab-parallel log-softmax's small all-reduces), and the tests are of the partition. The cost
     model's own choice is tested by itself (test_tp.py)."""
-    if kw.get("tp_plan", "megatron") != "megatron" or "vocab_parallel" in kw:
+    if not tp or tp == 1 or kw.get("tp_plan", "megatron") != "megatron" or "vocab_parallel" in kw:
         return kw
     return {**kw, "vocab_parallel": True}
 
 
 def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int = 1, over: tuple = (),
-           device: str = "cpu", **compile_kw):
+           device: str = "cpu", gather: str | None = None, **compile_kw):
     """Train on a mesh of dp x ``tp`` ranks; the ranks of one tp group take their dp rank's batches.
     Returns (losses, full_state_dict on rank 0, what rank 0's step program holds: its collectives by
     axis and phase, its parameters' local shapes, ``explain``)."""
@@ -590,7 +590,9 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
 
     model = make_model(name, dtype, **dict(over)).to(device)
     mesh = sw.mesh(tp=tp, device=device)
-    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw))
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw, tp))
+    if gather is not None:  # the products of two shards resolved so, not as the cost model weighs it
+        job.tp.gather = gather
     d = mesh.rank("dp")
     losses = []
     for s in range(steps):
@@ -602,6 +604,7 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
     info = {"tp": prog.counts("tp"), "dp": prog.counts("dp"),
             "phases": Counter((c.axis, c.kind, c.phase) for c in cs),
             "tp_all_reduced": sorted(p for c in cs if c.axis == "tp" and c.kind == "all_reduce" for p in c.params),
+            "gather": (job.tp.gather, job.tp.gather_choice),
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "explain": job.explain()}
     return losses, sd, info
@@ -614,7 +617,7 @@ def tp_budget_run(budget, steps: int = 3, **kw):
     from shardwise.runtime.memory import measure
 
     job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(tp=2),
-                     memory_budget=budget, **split_head(kw))
+                     memory_budget=budget, **split_head(kw, 2))
     d = job.mesh.rank("dp")
     losses = [float(job.step(make_batch("llama", 0, d)))]
     b = make_batch("llama", 1, d)

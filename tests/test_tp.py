@@ -13,14 +13,15 @@ FFN_ONLY = {"blocks.*.ffn.w1.weight": Shard(0), "blocks.*.ffn.w3.weight": Shard(
 
 
 def _check(pools, name, strategy, ws, tp, micro=1, steps=3, tol=1e-10, dtype="fp64", **kw):
-    ref_losses, ref_sd = reference(name, dtype, ws // tp, steps, (), micro)
+    ref_losses, ref_sd = reference(name, dtype, ws // tp, steps, kw.get("over", ()), micro)
     losses, sd, info = pools(ws).run(harness.tp_run, name, strategy, dtype, steps, tp, micro, **kw)[0]
     assert set(sd) == set(ref_sd)
     assert all(sd[k].shape == ref_sd[k].shape for k in sd)  # exported whole, as the single-device model has them
     dl = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     assert dl <= tol, f"losses differ by {dl:.3e}"
     assert rel_param_err(sd, ref_sd) <= tol
-    assert rel_param_err(sd, harness.make_model(name, dtype).state_dict()) > 1e-3  # it trained
+    whole = harness.make_model(name, dtype, **dict(kw.get("over", ()))).state_dict()
+    assert rel_param_err(sd, whole) > 1e-3  # it trained
     return info
 
 
@@ -65,6 +66,25 @@ def test_sequence_parallel_trades_each_all_reduce_for_a_gather_and_a_scatter(poo
     assert ph[("tp", "all_reduce", "bwd")] == 2
     assert info["tp_all_reduced"] == sorted(["norm.weight"] + [
         f"blocks.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")])
+
+
+def test_products_of_two_shards_gather_the_operand_the_cost_model_picks(pools):
+    """Under sequence parallelism a product meets the activation in sequence shards and the weight
+    in column shards: gather the activation (Megatron's choice, the default) or the operand whose
+    move sends fewer bytes. With a 16-wide Llama the tokens outweigh the attention weights, so the
+    second plan gathers those weights; the sequence shards then reach the attention, which gathers
+    its q, k and v instead (15 forward gathers against 5 here). It trains as one device does too;
+    the cost model weighs both plans (it keeps Megatron's here) and ``explain`` says which it took."""
+    over = (("d_model", 16),)
+    base = _check(pools, "llama", "ddp", 2, 2, over=over, sequence_parallel=True, gather="activation")
+    alt = _check(pools, "llama", "ddp", 2, 2, over=over, sequence_parallel=True, gather="fewer_bytes")
+    assert alt["gather"][0] == "fewer_bytes" and alt["phases"] != base["phases"]
+    auto = _check(pools, "llama", "ddp", 2, 2, over=over, sequence_parallel=True)
+    gather, seen = auto["gather"]
+    assert seen is not None and gather == seen["gather"]
+    assert gather == ("fewer_bytes" if seen["fewer_bytes_s"] < (1 - 0.02) * seen["activation_s"] else "activation")
+    assert auto["phases"] == (alt if gather == "fewer_bytes" else base)["phases"]
+    assert "products of two shards gather" in auto["explain"]
 
 
 def test_gpt_fused_qkv_is_cut_by_heads(pools):

@@ -33,6 +33,7 @@ from ..sharding.annotate import parse
 from ..sharding.ops import info
 from ..sharding.propagate import Propagation, propagate
 from ..sharding.rules import marks
+from ..sharding.rules.base import ShardingError
 from ..sharding.rules.pointwise import is_pointwise
 from . import emit, tp_ops
 
@@ -133,10 +134,12 @@ def _prepared(cap: Capture) -> tuple[fx.GraphModule, fx.Graph, list[fx.Node], di
 
 
 def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_parallel: bool = False,
-              stage: str | None = None, allow_replicate: bool = False) -> tuple[Capture, Propagation]:
+              stage: str | None = None, allow_replicate: bool = False,
+              gather: str = "activation") -> tuple[Capture, Propagation]:
     """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
-    (with ``sequence_parallel``, the activations between the regions in sequence shards). Returns
-    (its Capture, the propagation it was made from)."""
+    (with ``sequence_parallel``, the activations between the regions in sequence shards; ``gather``:
+    which operand a product of two shards gathers, sharding/propagate.py). Returns (its Capture, the
+    propagation it was made from)."""
     gm, g, phs, params = _prepared(cap)
     by_name = seeds_of(cap, plan, ranks)
     seeds = {ph: by_name[name] for ph, name in params.items()}
@@ -146,7 +149,8 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
         n.target, n.args = marks.mark, (n.args[0], parse(n.args[1]))  # the model's own marks (sw.shard)
     prefer = sequence_marks(g, forward_nodes(gm), ranks) if sequence_parallel else None
     fwd = forward_nodes(gm)  # with the marks sequence parallelism inserted
-    prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer, allow_replicate=allow_replicate)
+    prop = propagate(gm, seeds, ranks, outputs, names=params, prefer=prefer, allow_replicate=allow_replicate,
+                     gather=gather)
     pl = prop.placements
     index_inputs: dict[tuple, fx.Node] = {}
 
@@ -501,6 +505,29 @@ HEAD_TIE = 0.02
 """A whole table predicted faster than the vocab-parallel one by less than this fraction of the step
 does not count as faster: the split one holds 1/tp of it and of its optimizer state (and, for the
 head, of the logits)."""
+
+
+def gather_choice(cap: Capture, plan: dict, cost, ranks: int, group: str, sequence_parallel: bool = False,
+                  stage: str | None = None, allow_replicate: bool = False) -> tuple[str, Capture, dict | None]:
+    """Which operand the products of two shards gather, by the cost model: the step partitioned with
+    the activation gathered (Megatron's sequence parallelism) and with the operand whose move sends
+    fewer bytes; where their collectives differ, both are simulated and the second is taken only if
+    predicted faster by more than ``HEAD_TIE``. Returns (the policy, its tp-local step, the weighing
+    or None where both plans are one)."""
+    args = (cap, plan, ranks, group, sequence_parallel, stage, allow_replicate)
+    local, prop = partition(*args)
+    try:
+        alt, alt_prop = partition(*args, gather="fewer_bytes")
+    except (NotImplementedError, ShardingError):  # a move the second plan needs is not built: not a choice
+        return "activation", local, None
+    if [str(r) for r in alt_prop.collectives()] == [str(r) for r in prop.collectives()]:
+        return "activation", local, None
+    (t0, p0), (t1, p1) = cost.estimate(local.gm), cost.estimate(alt.gm)
+    take = t1 < (1 - HEAD_TIE) * t0
+    seen = {"activation_s": t0, "activation_peak": p0, "fewer_bytes_s": t1, "fewer_bytes_peak": p1,
+            "gather": "fewer_bytes" if take else "activation",
+            "differ": sum(1 for r in alt_prop.collectives()) - sum(1 for r in prop.collectives())}
+    return seen["gather"], (alt if take else local), seen
 
 
 def head_choice(cap: Capture, cost, ranks: int, group: str, sequence_parallel: bool = False,

@@ -37,6 +37,7 @@ from . import rules  # noqa: F401 - the op families' rules enter the op registry
 from .ops import info
 from .placements import Partial, Replicate, Shard
 from .rules.base import R, ShardingError, norm, val
+from .rules.matmul import FEWER_BYTES
 from .rules.pointwise import is_pointwise, pointwise_rule
 
 
@@ -111,14 +112,32 @@ def replicated(node: fx.Node, place, ranks: int):
 
 
 def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None = None,
-              names: dict | None = None, prefer: dict | None = None, allow_replicate: bool = False) -> Propagation:
+              names: dict | None = None, prefer: dict | None = None, allow_replicate: bool = False,
+              gather: str = "activation") -> Propagation:
     """Place every node of ``gm`` on an axis of ``ranks`` ranks from ``seeds`` (placeholder -> placement);
     ``outputs``: the placement each graph output must have (None: as its producer leaves it); ``names``:
     what errors call a placeholder (its parameter's name); ``prefer``: {shape: Shard} where a partial
     value of that shape that a reader needs whole is reduce-scattered to the shard instead, if the
     reader takes it so (sequence parallelism: the residual stream's gradients, by their shape);
     ``allow_replicate``: an op without a rule reads its inputs whole (a warning names it) instead of
-    stopping with an error."""
+    stopping with an error; ``gather``: which operand a product of operands sharded on different
+    dims gathers (``GATHER``)."""
+    if gather not in GATHER:
+        raise ValueError(f"gather must be one of {GATHER}, got {gather!r}")
+    token = FEWER_BYTES.set(gather == "fewer_bytes")
+    try:
+        return _propagate(gm, seeds, ranks, outputs, names, prefer, allow_replicate)
+    finally:
+        FEWER_BYTES.reset(token)
+
+
+GATHER = ("activation", "fewer_bytes")
+"""How a product of operands sharded on different dims is resolved (sharding/rules/matmul.py)."""
+
+
+def _propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None = None,
+               names: dict | None = None, prefer: dict | None = None, allow_replicate: bool = False) -> Propagation:
+    """``propagate``'s walk over the graph, under the product policy it set."""
     plan = Propagation(ranks)
     pl = plan.placements
     prefer = prefer or {}

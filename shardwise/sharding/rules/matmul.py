@@ -8,6 +8,8 @@ where its first nonlinear reader needs it whole."""
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 from ..ops import register
@@ -15,6 +17,18 @@ from ..placements import Partial, Shard
 from .base import R
 
 aten = torch.ops.aten
+
+FEWER_BYTES = contextvars.ContextVar("shardwise_matmul_fewer_bytes", default=False)
+"""How a product of two operands sharded on different dims is resolved: by default the left operand
+(the activation in ``x @ W``) is gathered unless only that leaves a partial to reduce (so the
+weight's shard stays: Megatron's sequence parallelism); set, the operand whose move sends fewer
+bytes (with the partial output's reduction counted) is gathered. sharding/propagate.py sets it for
+one propagation (``gather="fewer_bytes"``), and the compiler has the cost model weigh both plans."""
+
+
+def _bytes(n) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
 def _einsum(a_dims: str, b_dims: str, out_dims: str, node, place):
@@ -28,11 +42,12 @@ def _einsum(a_dims: str, b_dims: str, out_dims: str, node, place):
         # as it would on the whole value (a column-parallel product of a reduced sum)
         reduced = {x: R for x in (a, b) if isinstance(place(x), Partial)}
         pa, pb = (R if a in reduced else pa), (R if b in reduced else pb)
-    need, out = _placed(a_dims, b_dims, out_dims, a, b, pa, pb)
+    need, out = _placed(a_dims, b_dims, out_dims, node, pa, pb)
     return {**reduced, **need}, out  # a reduced operand that is then sliced: one reduce-scatter
 
 
-def _placed(a_dims, b_dims, out_dims, a, b, pa, pb):
+def _placed(a_dims, b_dims, out_dims, node, pa, pb):
+    a, b = node.args[0], node.args[1]
     la = a_dims[pa.dim] if isinstance(pa, Shard) else None
     lb = b_dims[pb.dim] if isinstance(pb, Shard) else None
     contracted = set(a_dims) & set(b_dims) - set(out_dims)
@@ -42,9 +57,15 @@ def _placed(a_dims, b_dims, out_dims, a, b, pa, pb):
         # different letters (or cuts): gather one operand, the one that leaves the output whole-
         # summed (no partial to reduce after); the left one where both do (the right is the weight
         # in ``x @ W``, whose shard stays: sequence parallelism gathers the activation)
-        if _out(lb, pb, out_dims, contracted) != Partial():
-            return {a: R}, _out(lb, pb, out_dims, contracted)
-        return {b: R}, _out(la, pa, out_dims, contracted)
+        out_a, out_b = _out(lb, pb, out_dims, contracted), _out(la, pa, out_dims, contracted)  # a / b gathered
+        if FEWER_BYTES.get():
+            cost_a = _bytes(a) + (_bytes(node) if out_a == Partial() else 0)
+            cost_b = _bytes(b) + (_bytes(node) if out_b == Partial() else 0)
+            if cost_a != cost_b:
+                return ({a: R}, out_a) if cost_a < cost_b else ({b: R}, out_b)
+        if out_a != Partial():
+            return {a: R}, out_a
+        return {b: R}, out_b
     letter, p = (la, pa) if la is not None else (lb, pb)
     need = {}
     if letter in contracted or letter in set(a_dims) & set(b_dims):  # both operands have it
