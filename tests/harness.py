@@ -610,7 +610,7 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
     return losses, sd, info
 
 
-def tp_budget_run(budget, steps: int = 3, **kw):
+def tp_budget_run(budget, steps: int = 2, **kw):
     """A zero3 step of the tiny fp64 Llama on dp x tp=2 under ``memory_budget``: (parameters the plan
     keeps gathered, activations it offloads, predicted peak, measured peak of a step, losses, the
     full state dict)."""

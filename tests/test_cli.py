@@ -123,15 +123,15 @@ def test_bench_writes_json_and_plot(tmp_path):
     import json
 
     out = run_cli("bench", "--model", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
-                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0+fused=1,shardwise:offload=1+recompute=1+budget_gb=1,ddp,"
-                  "fsdp2:fused=1,shardwise:carveout=16",
+                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0+fused=1,shardwise:carveout=16,ddp,"
+                  "fsdp2:fused=1",
                   "--out", str(tmp_path), "--link-profile", "cpu-gloo", "--trace-dir", str(tmp_path / "tr"),
                   "--name", "t")
     rec = json.loads((tmp_path / "t.json").read_text())
     assert rec["config"]["link_profile"] == "cpu-gloo"
     # one gzipped chrome trace per system, from rank 0
     traces = sorted(p.name for p in (tmp_path / "tr").iterdir())
-    assert len(traces) == 6 and "shardwise-noopt_bucket_mb0_fused1.json.gz" in traces, traces
+    assert len(traces) == 5 and "shardwise-noopt_bucket_mb0_fused1.json.gz" in traces, traces
     import gzip
 
     assert json.loads(gzip.decompress((tmp_path / "tr" / "ddp.json.gz").read_bytes()))["traceEvents"]
@@ -139,26 +139,25 @@ def test_bench_writes_json_and_plot(tmp_path):
     for k in ("name", "date", "machine", "gpus", "versions", "command", "config", "results"):
         assert k in rec
     rows = {r["system"]: r for r in rec["results"]}
-    assert set(rows) == {"shardwise", "shardwise-noopt:bucket_mb=0+fused=1",
-                         "shardwise:offload=1+recompute=1+budget_gb=1", "ddp", "fsdp2:fused=1",
-                         "shardwise:carveout=16"}, out
+    noopt, carved = "shardwise-noopt:bucket_mb=0+fused=1", "shardwise:carveout=16"
+    assert set(rows) == {"shardwise", noopt, carved, "ddp", "fsdp2:fused=1"}, out
     # each row names the optimizer kernel it ran: torch's CPU default, or the fused kernel asked for
     assert rows["shardwise"]["optimizer"] == rows["ddp"]["optimizer"] == "AdamW (for-loop)"
-    assert rows["shardwise-noopt:bucket_mb=0+fused=1"]["optimizer"] == rows["fsdp2:fused=1"]["optimizer"] \
+    assert rows[noopt]["optimizer"] == rows["fsdp2:fused=1"]["optimizer"] \
         == "AdamW (fused)"
     for r in rows.values():
         assert "error" not in r, r
         assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] == rec["config"]["batch"] * 16 / r["step_s"]
-    for s in ("shardwise", "shardwise-noopt:bucket_mb=0+fused=1"):
+    for s in ("shardwise", noopt):
         assert rows[s]["pred_step_s"] > 0 and rows[s]["pred_peak_mem_gb"] > 0 and rows[s]["peak_mem_gb"] > 0
         assert rows[s]["exposed_comm_pct"] is not None
     assert rows["ddp"]["pred_step_s"] is None  # predictions are shardwise's own
     # the scheduled program's in-flight cap is recorded (gloo: one collective at a time, no cap sweep)
     sched = rows["shardwise"]["schedule"]
     assert sched["max_in_flight_mb"] > 0 and sched["max_ops"] == 1 and sched["cap_choice"] is None, sched
-    assert "schedule" not in rows["shardwise-noopt:bucket_mb=0+fused=1"] and "schedule" not in rows["ddp"]
+    assert "schedule" not in rows[noopt] and "schedule" not in rows["ddp"]
     # carveout=16: the products predicted beside a collective were carved (inert on CPU); not without it
-    assert rows["shardwise:carveout=16"]["schedule"]["carved_products"] > 0 and sched["carved_products"] == 0
+    assert rows[carved]["schedule"]["carved_products"] > 0 and sched["carved_products"] == 0
     # each warm-up step is timed and printed as it ends
     assert all(len(r["warmup_step_s"]) >= 1 and min(r["warmup_step_s"]) > 0 for r in rows.values())
     assert "ddp: warm-up step 1/1" in out
@@ -203,24 +202,25 @@ def test_bench_runs_tp_against_torchs_fsdp2_and_tp(tmp_path):
     assert rows["shardwise"]["pred_step_s"] > 0
 
 
-def test_bench_rejects_unknown_systems_and_options():
-    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise,megatron", "--nproc", "1"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "unknown system" in p.stderr + p.stdout
-    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", "shardwise:speed=11", "--nproc",
-                        "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
-    assert "bad option" in p.stderr + p.stdout
-    for bad, says in (("ddp:fused=yes", "fused takes a number"), ("fsdp2:ratio=1", "bad option"),
-                      ("shardwise:carveout=most", "carveout takes a number, auto or off")):
-        p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--systems", bad, "--nproc", "1",
-                            "--size", "tiny"], capture_output=True, text=True, timeout=120)
-        assert p.returncode != 0 and says in p.stderr + p.stdout, (bad, p.stderr[-400:])
-    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--system-timeout", "-5", "--nproc", "1"],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "--system-timeout is seconds" in p.stderr, p.stderr[-400:]
-    p = subprocess.run([sys.executable, "-m", "shardwise.cli", "bench", "--link-profile", "/nonexistent.json",
-                        "--nproc", "1", "--size", "tiny"], capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "shardwise calibrate" in p.stderr + p.stdout
+def test_bench_rejects_unknown_systems_and_options(capsys):
+    # told before any rank starts (in this process: the flags are checked before anything spawns)
+    from shardwise.cli import main
+
+    for args, says in (
+        (["--systems", "shardwise,megatron"], "unknown system"),
+        (["--systems", "shardwise:speed=11"], "bad option"),
+        (["--systems", "ddp:fused=yes"], "fused takes a number"),
+        (["--systems", "fsdp2:ratio=1"], "bad option"),
+        (["--systems", "shardwise:carveout=most"], "carveout takes a number, auto or off"),
+        (["--system-timeout", "-5"], "--system-timeout is seconds"),
+        (["--link-profile", "/nonexistent.json"], "shardwise calibrate"),
+        (["--tp", "0"], "--tp is the number of tensor-parallel ranks"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--nproc", "1", "--size", "tiny", *args])
+        assert e.value.code != 0
+        err = capsys.readouterr().err
+        assert says in err, (args, err[-400:])
 
 
 def test_bench_stops_a_system_past_its_timeout_and_runs_the_next(tmp_path):

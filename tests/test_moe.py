@@ -112,15 +112,6 @@ def test_dispatched_moe_parity(pools, strategy):
           param_tol=1e-10)
 
 
-@pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
-    reason="torch<2.13 inductor allocates the CPU flash-attention backward's logsumexp in fp32 for fp64 inputs",
-)
-def test_dispatched_moe_parity_inductor(pools):
-    check(pools, "moe", "zero3", "fp64", 2, steps=3, compile="inductor", over=(("capacity_factor", 1.0),),
-          loss_tol=1e-10, param_tol=1e-10)
-
-
 def test_dispatched_moe_runs_op_by_op_where_a_traced_view_is_not_one_in_eager():
     # with bf16 compute the dispatch's backward multiplies an expanded gradient by the transposed
     # gates: tracing saw a layout a view could read, the eager kernel lays the product out otherwise.

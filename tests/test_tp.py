@@ -41,7 +41,7 @@ def test_tp_parity_fp64(pools, name, strategy, ws, micro):
 
 
 @pytest.mark.parametrize("name,strategy,ws,micro", [
-    ("llama", "zero2", 4, 1), ("llama", "zero3", 4, 2), ("gpt", "zero3", 4, 1), ("moe", "zero2", 4, 1),
+    ("llama", "zero3", 4, 2), ("gpt", "zero3", 4, 1), ("moe", "zero2", 4, 1),
 ])
 def test_sequence_parallel_parity_fp64(pools, name, strategy, ws, micro):
     info = _check(pools, name, strategy, ws, 2, micro, sequence_parallel=True)
@@ -297,7 +297,7 @@ def test_a_memory_budget_plans_the_tp_local_step(pools):
     little over the sharded plan's peak keeps some tp shards gathered over dp, the measured peak
     within the budget and predicted within 5%; activation offload moves tp-local activations to
     the host; both train as one device does."""
-    ref_losses, ref_sd = reference("llama", "fp64", 2, 3)
+    ref_losses, ref_sd = reference("llama", "fp64", 2, 2)
 
     def same(losses, sd):
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
@@ -311,7 +311,7 @@ def test_a_memory_budget_plans_the_tp_local_step(pools):
     kept, _, pred, peak, losses, sd = pools(4).run(harness.tp_budget_run, budget, sequence_parallel=True)[0]
     assert not kept0 and 0 < len(kept) < len(sd) and peak <= budget and abs(pred - peak) <= 0.05 * peak
     same(losses, sd)
-    ref_losses, ref_sd = reference("llama", "fp64", 1, 3)
+    ref_losses, ref_sd = reference("llama", "fp64", 1, 2)
     _, offloaded, *_, losses, sd = pools(2).run(harness.tp_budget_run, None, offload_activations=True)[0]
     assert offloaded
     same(losses, sd)
