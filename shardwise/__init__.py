@@ -14,14 +14,22 @@ Example::
 
 from . import models
 from .config import MixedPrecision
-from .errors import BatchMismatchError, BudgetError, CaptureError, MeshError, PlanMismatchError, ShardwiseError
+from .errors import (
+    BatchMismatchError,
+    BudgetError,
+    CaptureError,
+    CheckpointError,
+    MeshError,
+    PlanMismatchError,
+    ShardwiseError,
+)
 from .job import Job, compile
 from .runtime.mesh import Mesh, mesh
 from .sharding import Partial, Replicate, Shard
 from .sharding.annotate import shard
 
 __version__ = "0.1.0"
-__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "Job", "Mesh", "MeshError", "MixedPrecision",
+__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "Job", "Mesh", "MeshError", "MixedPrecision",
            "Partial", "PlanMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan",
            "shard"]
 

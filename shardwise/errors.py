@@ -31,4 +31,9 @@ class PlanMismatchError(ShardwiseError, RuntimeError):
     """Ranks compiled different graphs or plans (or one failed to compile): every rank stops."""
 
 
-__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "MeshError", "PlanMismatchError", "ShardwiseError"]
+class CheckpointError(ShardwiseError, ValueError):
+    """A checkpoint that cannot be loaded into this job: missing, partial, foreign, or of another model."""
+
+
+__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "MeshError", "PlanMismatchError",
+           "ShardwiseError"]

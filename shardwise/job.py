@@ -329,6 +329,37 @@ class Job:
 
     # -- what the job holds and has learned ----------------------------------------------------
 
+    # -- checkpoints (runtime/checkpoint.py) ------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's part of the job's state for ``torch.distributed.checkpoint``: each parameter and
+        optimizer tensor a DTensor of its whole shape over the dp axis, the hyperparameters and step
+        counter (a collective-free description; ``dcp.save(job.state_dict(), ...)`` writes it)."""
+        from .runtime import checkpoint
+
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Take the state ``dcp.load`` read into a ``state_dict()`` of this job."""
+        from .runtime import checkpoint
+
+        checkpoint.load_state_dict(self, sd)
+
+    def save(self, path: str) -> str:
+        """Write a sharded checkpoint to the directory ``path`` (a collective), published by rename once
+        complete, so a crash mid-save leaves an older checkpoint at ``path`` as it was."""
+        from .runtime import checkpoint
+
+        return checkpoint.save(self, path)
+
+    def load(self, path: str) -> dict:
+        """Load the checkpoint at ``path`` (a collective), resharded to this job's dp ranks and strategy;
+        returns what it recorded (steps, strategy, ranks). A missing, partial or foreign checkpoint, or
+        one of another model, is a ``CheckpointError`` naming the directory and what differs."""
+        from .runtime import checkpoint
+
+        return checkpoint.load(self, path)
+
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer over this rank's trainable state (shards under zero1-3)."""

@@ -771,3 +771,26 @@ def tp_mesh_error(tp: int):
 def tp_compile_error(kw: dict):
     """Compile a tp=2 job with options ``kw`` (the test expects a refusal)."""
     sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(tp=2), **kw)
+
+
+def ckpt_run(strategy: str, path: str, steps: int, save_at: int | None = None, resume: bool = False,
+             micro_of: int = 1, over: tuple = ()):
+    """The tiny fp32 Llama trained to ``steps`` on this pool's dp ranks: saved to ``path`` after
+    ``save_at`` steps, or (``resume``) started from the checkpoint at ``path`` with other weights
+    first (so only the load can make it match). ``micro_of``: each rank takes the batches of that
+    many ranks of the saving run as micro-batches (a dp=1 resume of a dp=2 run). Returns (loss per
+    step index, full_state_dict on rank 0, what ``load`` returned)."""
+    job = sw.compile(make_model("llama", "fp32", seed=1 if resume else 0, **dict(over)), optimizer=adamw,
+                     strategy=strategy, mesh=sw.mesh())
+    r, meta = dist.get_rank(), None
+    start = 0
+    if resume:
+        meta = job.load(path)
+        start = meta["steps"]
+    losses = {}
+    for s in range(start, steps):
+        mbs = [make_batch("llama", s, r * micro_of + m) for m in range(micro_of)]
+        losses[s] = float(job.step(mbs if micro_of > 1 else mbs[0]))
+        if save_at is not None and s + 1 == save_at:
+            job.save(path)
+    return losses, job.full_state_dict(), meta

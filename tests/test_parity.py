@@ -42,7 +42,7 @@ def test_parity_untied_gpt_zero3(pools):
     tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
     reason="torch<2.13 inductor allocates the CPU flash-attention backward's logsumexp in fp32 for fp64 inputs",
 )
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero3"])
 def test_parity_inductor(pools, strategy):
     # inductor fuses kernels and reorders reductions, so fp32 rounding differs from eager by design;
     # fp64 holds the compiled graph to the exact bound
