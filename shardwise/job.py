@@ -18,8 +18,10 @@ from .errors import MeshError
 from .passes import Program
 from .passes.zero import layouts_for
 from .runtime.agree import Agreement
+from .runtime.checkpoint import Checkpointing
 from .runtime.executor import Compiled, Executor
-from .runtime.mesh import Mesh, mesh as make_mesh
+from .runtime.mesh import Mesh
+from .runtime.mesh import mesh as make_mesh
 from .runtime.state import ShardedState
 from .runtime.update import Updater
 
@@ -104,8 +106,9 @@ def compile(
     return Job(model, optimizer, mesh if mesh is not None else make_mesh(), config)
 
 
-class Job:
-    """A compiled training job. Build it with :func:`shardwise.compile`."""
+class Job(Checkpointing):
+    """A compiled training job. Build it with :func:`shardwise.compile`. Checkpoints: ``save``, ``load``,
+    ``state_dict``, ``load_state_dict`` (runtime/checkpoint.py ``Checkpointing``)."""
 
     def __init__(self, model: nn.Module, optimizer: Callable, mesh: Mesh, config: JobConfig):
         for axis, n in mesh.shape.items():
@@ -328,37 +331,6 @@ class Job:
         return explain(self)
 
     # -- what the job holds and has learned ----------------------------------------------------
-
-    # -- checkpoints (runtime/checkpoint.py) ------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """This rank's part of the job's state for ``torch.distributed.checkpoint``: each parameter and
-        optimizer tensor a DTensor of its whole shape over the dp axis, the hyperparameters and step
-        counter (a collective-free description; ``dcp.save(job.state_dict(), ...)`` writes it)."""
-        from .runtime import checkpoint
-
-        return checkpoint.state_dict(self)
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Take the state ``dcp.load`` read into a ``state_dict()`` of this job."""
-        from .runtime import checkpoint
-
-        checkpoint.load_state_dict(self, sd)
-
-    def save(self, path: str) -> str:
-        """Write a sharded checkpoint to the directory ``path`` (a collective), published by rename once
-        complete, so a crash mid-save leaves an older checkpoint at ``path`` as it was."""
-        from .runtime import checkpoint
-
-        return checkpoint.save(self, path)
-
-    def load(self, path: str) -> dict:
-        """Load the checkpoint at ``path`` (a collective), resharded to this job's dp ranks and strategy;
-        returns what it recorded (steps, strategy, ranks). A missing, partial or foreign checkpoint, or
-        one of another model, is a ``CheckpointError`` naming the directory and what differs."""
-        from .runtime import checkpoint
-
-        return checkpoint.load(self, path)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -233,3 +233,27 @@ def load(job, path: str) -> dict:
                               f"{len(job.optimizer.param_groups)}: build the job with the same optimizer")
     load_state_dict(job, sd)
     return saved
+
+
+class Checkpointing:
+    """The checkpoint methods of ``Job`` (this module's functions on the job)."""
+
+    def state_dict(self) -> dict:
+        """This rank's part of the job's state for ``dcp.save``: each parameter and optimizer tensor a
+        DTensor of its whole shape over the dp axis, the buffers, hyperparameters and step counter."""
+        return state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Take the state ``dcp.load`` read into a ``state_dict()`` of this job."""
+        load_state_dict(self, sd)
+
+    def save(self, path: str) -> str:
+        """Write a sharded checkpoint to the directory ``path`` (a collective), published by rename once
+        complete, so a crash mid-save leaves an older checkpoint at ``path`` as it was."""
+        return save(self, path)
+
+    def load(self, path: str) -> dict:
+        """Load the checkpoint at ``path`` (a collective), resharded to this job's dp ranks and strategy;
+        returns what it recorded (steps, strategy, ranks). A missing, partial or foreign checkpoint, or
+        one of another model, is a ``CheckpointError`` naming the directory and what differs."""
+        return load(self, path)
