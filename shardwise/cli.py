@@ -638,6 +638,10 @@ def main(argv=None) -> int:
             bench_config(args)
         except ValueError as e:
             parser.error(str(e))
+    if getattr(args, "tp", 1) <= 1 and (getattr(args, "sp", False) or getattr(args, "vocab_parallel", "auto") != "auto"):
+        # told here, before any rank starts
+        parser.error("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1)" if args.sp else
+                     "--vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N (N > 1)")
     fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main, "bench": bench_main}[args.cmd]
     from shardwise.runtime.launch import spawn, under_launcher
 

@@ -31,7 +31,7 @@ def test_train_demo_loss_goes_down():
     assert float(steps[-1].group(5).split()[0]) > 0
 
 
-def test_train_with_tensor_and_sequence_parallelism():
+def test_train_with_tensor_and_sequence_parallelism(capsys):
     # 2 ranks, both on the tp axis (zero3 over a dp axis of one), the residual stream in sequence shards
     out = run_cli("train", "--model", "llama", "--size", "tiny", "--strategy", "zero3", "--nproc", "2", "--tp", "2",
                   "--sp", "--steps", "8", "--lr", "1e-2", "--clip", "1.0")
@@ -41,6 +41,11 @@ def test_train_with_tensor_and_sequence_parallelism():
     p = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--size", "tiny", "--nproc", "2", "--sp",
                         "--steps", "1"], capture_output=True, text=True)
     assert p.returncode != 0 and "--sp shards the sequence over the tensor-parallel ranks: give --tp N" in p.stderr
+    from shardwise.cli import main
+
+    with pytest.raises(SystemExit):  # told before any rank starts
+        main(["train", "--size", "tiny", "--nproc", "2", "--vocab-parallel", "on"])
+    assert "--vocab-parallel cuts the LM head over the tensor-parallel ranks" in capsys.readouterr().err
 
 
 def test_train_on_a_text_file(tmp_path):
