@@ -112,12 +112,31 @@ def explain_main(args) -> None:
     dist.destroy_process_group()
 
 
+UNITS = {"B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+         "TB": 10**12}
+
+
+def memory_size(text: str) -> int | float:
+    """A ``--memory-budget``: a size with its unit (``20GiB``, ``512MiB``, ``1.5GB``: bytes), a fraction
+    of the device's usable memory (``0.8``), or a bare number above 1 (GiB)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or (unit and unit not in UNITS):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: give e.g. 20GiB, 512MiB, 1.5GB, or a "
+                                         "fraction of the device's memory such as 0.8")
+    v = float(m.group(1))
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"--memory-budget must be positive, got {text!r}")
+    if unit:
+        return int(v * UNITS[unit])
+    return int(v * 2**30) if v > 1 else v
+
+
 def _memory_kw(args) -> dict:
     """compile() keywords of the shared memory flags."""
-    b = args.memory_budget
-    if b is not None and b <= 0:
-        raise SystemExit(f"--memory-budget must be positive, got {b}")
-    budget = None if b is None else (int(b * 2**30) if b > 1 else float(b))
+    budget = args.memory_budget
     return {"memory_budget": budget, "offload_optimizer": {None: False, "fit": True, "all": "all"}[args.offload_optimizer],
             "recompute": args.recompute, "offload_activations": args.offload_activations,
             "offload_host_update": args.host_update,
@@ -175,9 +194,10 @@ def _model_args(p) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32",
                    help="fp32; bf16 = bf16 compute with fp32 master weights and fp32 reduction; fp64")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
-    p.add_argument("--memory-budget", type=float, default=None,
-                   help="per-rank memory budget: GiB if > 1, else a fraction of the device's usable memory; the "
-                        "plan keeps parameters gathered / recomputes to fit, or stops with the numbers")
+    p.add_argument("--memory-budget", type=memory_size, default=None, metavar="SIZE|FRACTION",
+                   help="per-rank memory budget: a size (20GiB, 512MiB, 1.5GB; a bare number above 1 is GiB) or a "
+                        "fraction of the device's usable memory (0.8); the plan keeps parameters gathered / "
+                        "recomputes to fit, or stops with the numbers")
     p.add_argument("--offload-optimizer", nargs="?", const="fit", choices=["fit", "all"], default=None,
                    help="zero3: master weights and optimizer state in host memory, streamed for the update; "
                         "'fit' (the default when given) keeps on the device the part that fits, 'all' none")

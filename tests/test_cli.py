@@ -281,3 +281,19 @@ def test_bench_rows_name_the_nccl_settings_they_ran_under():
     assert label({"system": "fsdp2", "env": env}, common) == "fsdp2"
     lab = label({"system": "shardwise", "env": dict(env, TORCH_NCCL_HIGH_PRIORITY="1")}, common)
     assert lab == "shardwise\nNCCL_HIGH_PRIORITY=1", lab
+
+
+def test_memory_budget_takes_sizes_with_units(capsys):
+    import argparse
+
+    from shardwise.cli import main, memory_size
+
+    assert memory_size("20GiB") == 20 * 2**30 and memory_size("512MiB") == 512 * 2**20
+    assert memory_size("1.5GB") == 1_500_000_000 and memory_size("0.8") == 0.8
+    assert memory_size("24") == 24 * 2**30  # a bare number above 1: GiB, as before
+    for bad in ("20 parsecs", "-1", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            memory_size(bad)
+    with pytest.raises(SystemExit):  # told by the parser, before any rank starts
+        main(["train", "--size", "tiny", "--memory-budget", "20 parsecs"])
+    assert "is not a memory size: give e.g. 20GiB, 512MiB" in capsys.readouterr().err
