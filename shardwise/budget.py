@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .costmodel import optimizer_state_bytes, optimizer_transient
-from .errors import BudgetError
+from .errors import BudgetError, size_text
 
 
 def budget_bytes(budget, device: torch.device) -> int | None:
@@ -104,11 +104,13 @@ class MemoryPlan:
         held += sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
         left = self.budget - held - self.slack
         if left <= 0:
+            zero3 = self.state.strategy == "zero3"
             raise BudgetError(
-                f"memory_budget {self.budget / 2**20:.1f} MiB is less than the state this rank holds "
-                f"between steps ({held / 2**20:.1f} MiB: weights, master shards, optimizer state); use more "
-                "ranks or zero3, offload_optimizer=True (zero3: master shards and optimizer state in host "
-                "memory), or raise the budget")
+                f"memory_budget {size_text(self.budget)} is less than the state this rank holds between steps "
+                f"({size_text(held)}: weights, master shards, optimizer state); use more ranks"
+                + ("" if zero3 else " or strategy='zero3'")
+                + (", offload_optimizer=True (master shards and optimizer state in host memory)"
+                   if zero3 and st is None else "") + ", or raise the budget")
         # under offload, optimizer state claims the headroom before any parameter is kept gathered
         reserve = sum(st.param_bytes(n) for n in st.params) if st is not None and not self.offload_all else 0
         return left, reserve

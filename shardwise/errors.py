@@ -35,5 +35,13 @@ class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint that cannot be loaded into this job: missing, partial, foreign, or of another model."""
 
 
+def size_text(n: float) -> str:
+    """Bytes in the largest unit of which there is at least one (a message never says 0.0 MiB)."""
+    for unit, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= b:
+            return f"{n / b:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 __all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "MeshError", "PlanMismatchError",
            "ShardwiseError"]

@@ -487,6 +487,12 @@ def budget_run(budget, recompute=False, with_recomputed=False):
     return prog.unsharded, prog.counts(), pred, peak
 
 
+def budget_error(strategy: str, budget: int):
+    """A step of the tiny fp64 Llama under ``strategy`` and ``memory_budget`` (the test expects a BudgetError)."""
+    job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy=strategy, mesh=sw.mesh(), memory_budget=budget)
+    job.step(make_batch("llama", 0, dist.get_rank()))
+
+
 def act_offload_plan(budget=None, **kw):
     """(offloaded, recomputed, predicted graph peak, the step program) of a zero3 llama step."""
     job = sw.compile(make_model("llama", "fp64"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(),

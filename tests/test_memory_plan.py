@@ -51,7 +51,14 @@ def test_budget_plans_fit_and_an_impossible_budget_says_so(pools):
     # below what the sharded plan needs: an error with the numbers, on every rank, before a step runs
     res = pools(2).run_all(harness.budget_run, peak0 // 2)
     for ok, val in res:
-        assert not ok and val[0] == "BudgetError" and "MiB" in val[1] and "more ranks" in val[1], val
+        assert not ok and val[0] == "BudgetError" and "more ranks" in val[1], val
+        # sizes in a unit that shows them (this small model's are KiB, never "0.0 MiB"), and no advice to
+        # use the strategy the job already uses
+        assert "KiB" in val[1] and "0.0" not in val[1] and "strategy='zero3'" not in val[1], val
+    # below the state held between steps, under ddp: the advice names zero3
+    (ok, val), _ = pools(2).run_all(harness.budget_error, "ddp", 1000)
+    assert not ok and val[0] == "BudgetError" and "less than the state" in val[1] and "strategy='zero3'" in val[1], val
+    assert "1000 B" in val[1] and "offload_optimizer" not in val[1], val
 
 
 def test_bad_memory_options_are_refused():

@@ -70,7 +70,8 @@ def _shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str) -> Pr
         if strategy == "zero3":
             used, prog = unshard.plan(cap, searching, mode, build)
         else:
-            used, prog, peak = unshard.fit(build, dataclasses.replace(searching, graph_budget=None), ctx.graph_budget)
+            used, prog, peak = unshard.fit(build, dataclasses.replace(searching, graph_budget=None), ctx.graph_budget,
+                                           strategy)
             prog.predicted_graph_peak = peak
         if not ctx.cap_sweep or prog.schedule is None or not _sweeps(ctx):
             return prog

@@ -19,20 +19,22 @@ import dataclasses
 from typing import Callable
 
 from ..capture import Capture
-from ..errors import BudgetError
+from ..errors import BudgetError, size_text as size
 from .program import Program, ShardContext
 
 
-def _too_big(peak: int, budget: int) -> BudgetError:
-    return BudgetError(f"the step needs {peak / 2**20:.1f} MiB for its graph on top of the resident state, "
-                       f"{(peak - budget) / 2**20:.1f} MiB more than the budget leaves ({budget / 2**20:.1f} MiB); "
-                       "use more ranks or zero3, a smaller micro-batch (accumulate more of them), activation "
-                       "checkpointing in the model, or (zero3) offload_optimizer=True to move optimizer state "
-                       "to host memory")
+def _too_big(peak: int, budget: int, strategy: str | None = None) -> BudgetError:
+    ways = ["more ranks" + ("" if strategy == "zero3" else " or strategy='zero3'"),
+            "a smaller micro-batch (accumulate more of them)", "activation checkpointing in the model"]
+    if strategy in (None, "zero3"):
+        ways.append("offload_optimizer=True (zero3) to move the optimizer state to host memory")
+    return BudgetError(f"the step needs {size(peak)} for its graph on top of the resident state, "
+                       f"{size(peak - budget)} more than the budget leaves ({size(budget)}); use "
+                       + ", ".join(ways[:-1]) + f", or {ways[-1]}")
 
 
 def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
-        budget: int) -> tuple[ShardContext, Program, int]:
+        budget: int, strategy: str | None = None) -> tuple[ShardContext, Program, int]:
     """The plan of ``ctx`` made to fit ``budget``: as it is if it fits; else with selective
     recomputation (the activations it frees); else also keeping saved activations in host memory,
     largest first, built and re-checked after each batch that covers the remaining excess;
@@ -55,7 +57,7 @@ def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
             chosen.append(name)
             added += b
         if not added:
-            raise _too_big(peak, budget)
+            raise _too_big(peak, budget, strategy)
         ctx = dataclasses.replace(ctx, offload_activations=frozenset(chosen))
         prog = build(ctx)
         _, peak = ctx.cost.estimate(prog.gm)
@@ -70,7 +72,7 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
         raise ValueError("a memory budget needs a cost model to estimate with (ShardContext.cost)")
     budget = ctx.graph_budget
     base_ctx, base, peak = fit(build, dataclasses.replace(ctx, graph_budget=None, keep_gathered=frozenset()),
-                               budget)
+                               budget, "zero3")
     if ctx.dp == 1:  # one rank gathers nothing: there is nothing to keep gathered
         base.unsharded, base.predicted_graph_peak = [], peak
         return base_ctx, base
