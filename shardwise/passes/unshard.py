@@ -19,7 +19,8 @@ import dataclasses
 from typing import Callable
 
 from ..capture import Capture
-from ..errors import BudgetError, size_text as size
+from ..errors import BudgetError
+from ..errors import size_text as size
 from .program import Program, ShardContext
 
 
