@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from .errors import size_text
+
 
 def _train_parser(sub) -> None:
     p = sub.add_parser(
@@ -97,8 +99,8 @@ def explain_main(args) -> None:
         print(f"predicted step {pred['step_s'] * 1e3:.2f} ms = graph {pred['graph_s'] * 1e3:.2f} ms (compute "
               f"{pred['compute_source']}) + optimizer {pred['optimizer_s'] * 1e3:.2f} ms; measured last step "
               f"{job.last_step_s * 1e3:.2f} ms")
-        print(f"predicted peak {_fmt_bytes(mem['peak'])} per rank (resident {_fmt_bytes(mem['peak'] - max(mem['graph_peak'], mem['optimizer_step'], mem['gather_back']) - mem['batch'])}"
-              f" + step {_fmt_bytes(max(mem['graph_peak'], mem['optimizer_step'], mem['gather_back']))}); measured {_fmt_bytes(peak)}")
+        print(f"predicted peak {size_text(mem['peak'])} per rank (resident {size_text(mem['peak'] - max(mem['graph_peak'], mem['optimizer_step'], mem['gather_back']) - mem['batch'])}"
+              f" + step {size_text(max(mem['graph_peak'], mem['optimizer_step'], mem['gather_back']))}); measured {size_text(peak)}")
         if meas is not None:
             print(f"measured (torch.profiler): step {meas['step_s'] * 1e3:.2f} ms, exposed communication "
                   f"{meas['exposed_s'] * 1e3:.2f} ms ({meas['exposed_pct']:.1f}%); chrome trace: {args.trace}")
@@ -355,14 +357,6 @@ def calibrate_main(args) -> None:
     dist.destroy_process_group()
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def save_atomic(obj, path: str) -> None:
     """torch.save to a temporary file beside ``path``, then rename: a reader never sees half a file."""
     import os
@@ -439,7 +433,7 @@ def train_main(args) -> None:
         prog = job.programs()[0]
         extra = ""
         if job.memory_budget is not None:
-            extra += f" under a budget of {_fmt_bytes(job.memory_budget)}"
+            extra += f" under a budget of {size_text(job.memory_budget)}"
         if prog.unsharded:
             extra += f"; {len(prog.unsharded)} parameters kept gathered"
         if prog.recomputed:
@@ -448,11 +442,11 @@ def train_main(args) -> None:
             extra += f"; {len(prog.offloaded)} activations kept in host memory"
         st = job.state.streamer
         if st is not None:
-            parts = ([f"{_fmt_bytes(st.host_bytes())} on the host (streamed)"] if st.host_bytes() else []) + \
-                ([f"{_fmt_bytes(st.device_bytes())} on the device"] if st.device_bytes() else [])
+            parts = ([f"{size_text(st.host_bytes())} on the host (streamed)"] if st.host_bytes() else []) + \
+                ([f"{size_text(st.device_bytes())} on the device"] if st.device_bytes() else [])
             extra += "; optimizer state " + ", ".join(parts) + (
                 " (the first steps' measured peak decides what stays on the device)" if job.plan.residency_pending else "")
-        print(f"plan: predicted peak {_fmt_bytes(plan['peak'])} per rank{extra}", flush=True)
+        print(f"plan: predicted peak {size_text(plan['peak'])} per rank{extra}", flush=True)
     peak, peak_step, first = None, None, None
     exposed, pred_ms = None, None
     k = args.grad_accum
@@ -484,7 +478,7 @@ def train_main(args) -> None:
         if first is None:
             first = loss_v
         if rank == 0:
-            mem = " ".join(_fmt_bytes(int(p)) if int(p) >= 0 else "-" for p in allp)
+            mem = " ".join(size_text(int(p)) if int(p) >= 0 else "-" for p in allp)
             mem += "" if peak_step in (None, step + 1) else f" @step {peak_step}"
             tok_s = args.batch * seq * dws * k / dt
             extra = f"  lr {lr:.2e}" if sched is not None else ""
@@ -495,12 +489,12 @@ def train_main(args) -> None:
             if exposed is not None:
                 extra += f"  exposed_comm {exposed:.0f}% @step 3"
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
-                  f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {_fmt_bytes(job.last_comm_bytes)}{extra}",
+                  f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {size_text(job.last_comm_bytes)}{extra}",
                   flush=True)
         if rank == 0 and job.replans and job.replans[-1]["step"] == step + 1:
             r = job.replans[-1]
-            print(f"re-plan after step {step + 1}: measured peak {_fmt_bytes(r['measured'])} vs predicted "
-                  f"{_fmt_bytes(r['predicted'])}; holding back {_fmt_bytes(r['held_back'])}", flush=True)
+            print(f"re-plan after step {step + 1}: measured peak {size_text(r['measured'])} vs predicted "
+                  f"{size_text(r['predicted'])}; holding back {size_text(r['held_back'])}", flush=True)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             # held-out batches: indices no training step draws
             ev = [float(job.eval_step(tuple(t.to(mesh.device) for t in data.get(10**9 + i, drank)))) for i in range(2)]

@@ -85,7 +85,6 @@ class TensorParallelAxis:
         self.placements: dict | None = None
         self.gather: str | None = None
         """Which operand products of two shards gather (sharding/propagate.py ``GATHER``), once chosen."""
-        self.next_gather: str | None = None
         self.gather_choice: dict | None = None
         """The cost model's weighing of the two, where their plans differ."""
         self.head_choice: list[dict] = []
@@ -118,8 +117,7 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
         if config.vocab_parallel is not None:
             raise ValueError("vocab_parallel cuts the LM head over the tp axis: use a mesh with one, e.g. sw.mesh(tp=2)")
         return None
-    groups = {"offload_optimizer": config.offload, "overlap_update": config.update, "memory_budget": config.memory,
-              "keep_gathered": config.memory, "offload_activations": config.memory}
+    groups = {"offload_optimizer": config.offload, "overlap_update": config.update}
     for name in NOT_WITH_TP:
         if getattr(groups[name], name) not in (None, False):
             raise ValueError(f"{name} does not compose with tensor parallelism yet (mesh tp={ranks}): leave it "
@@ -175,7 +173,8 @@ class Compiler:
         return dataclasses.replace(self.ctx, graph_budget=share[0], reserve=share[1])
 
     def _partition(self, cap):
-        """The tp-local step (passes/tp.py); the first one fixes the plan every later one follows."""
+        """(The tp-local step (passes/tp.py), its placements, its product policy); the first one fixes
+        the plan every later one follows."""
         from .passes import tp as tp_pass
 
         tp = self.tp
@@ -200,9 +199,7 @@ class Compiler:
         else:
             gather = tp.gather or "activation"
             local = tp_pass.partition(*args, gather=gather)[0]
-        if placements is not tp.placements:  # the first program: its choices are kept with its plan
-            tp.next_gather = gather
-        return local, placements
+        return local, placements, gather
 
     def _agree(self, prog) -> None:
         """The captured single-device graph and the final plan (the rewritten, bucketed, scheduled
@@ -231,9 +228,9 @@ class Compiler:
         def first():
             cap = capture_step(self.model, batch, loss_fn=self.loss_fn, param_dtype=self.param_dtype, train=train,
                                with_grads=train, device=self.device)
-            placements = None
+            placements = gather = None
             if self.tp is not None:
-                cap, placements = self._partition(cap)
+                cap, placements, gather = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
             # the first tp program under a budget is planned again once the state holds its tp shards
@@ -241,14 +238,14 @@ class Compiler:
             first_tp = placements is not None and self.tp.placements is None
             ctx = self.ctx if first_tp and self.plan.budget is not None else self._context(tensors, train)
             prog = shard_step(cap, self.strategy, ctx, "step" if mode == "eval" else mode)
-            return cap, placements, prog
+            return cap, placements, gather, prog
 
-        cap, placements, prog = self._told(first)
+        cap, placements, gather, prog = self._told(first)
         self._agree(prog)
         if placements is not None and self.tp.placements is None:
             # the first program compiled on every rank: the state takes its tp shards only now, so
             # a refused job leaves the model whole
-            self.on_tp_plan(placements)
+            self.on_tp_plan(placements, gather)
             if train and self.plan.budget is not None:
                 # the budget's share was taken from the whole state: plan again from the tp shards'
                 prog = self._told(lambda: shard_step(cap, self.strategy, self._context(tensors, train), mode))

@@ -36,11 +36,13 @@ class CheckpointError(ShardwiseError, ValueError):
 
 
 def size_text(n: float) -> str:
-    """Bytes in the largest unit of which there is at least one (a message never says 0.0 MiB)."""
-    for unit, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= b:
-            return f"{n / b:.2f} {unit}"
-    return f"{int(n)} B"
+    """Bytes in the largest unit (up to GiB) of which there is at least one: messages and the CLI's
+    lines never say 0.0 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
 
 
 __all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "MeshError", "PlanMismatchError",

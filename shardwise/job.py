@@ -160,14 +160,14 @@ class Job(Checkpointing):
         """Bytes this rank sent in the last step."""
         self.last_step_s: float | None = None
 
-    def _shard_tp(self, placements: dict) -> None:
+    def _shard_tp(self, placements: dict, gather: str) -> None:
         """The tensor-parallel plan is known (from the first captured step): the state is made again
         from the model's whole weights, this rank's tp shard of each split one, into the same
         optimizer (its groups, hyperparameters and schedulers kept; it has taken no step yet)."""
         from .runtime.state import TensorParallel
 
         tp, named = self.tp, list(self.model.named_parameters())
-        tp.placements, tp.gather = placements, tp.next_gather or "activation"
+        tp.placements, tp.gather = placements, gather
         state = TensorParallel(placements, tp.ranks, tp.rank, tp.group)
         shapes = [state.local(n, p).shape for n, p in named]
         self.layouts = layouts_for([n for n, _ in named], shapes, 1 if self.strategy == "ddp" else self.mesh.dp)

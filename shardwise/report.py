@@ -3,6 +3,7 @@ memory plan, predicted step and peak); costmodel/plot.py draws the predicted tim
 
 from __future__ import annotations
 
+from .errors import size_text
 from .passes.actoffload import candidates
 from .runtime.state import optimizer_kind
 from .sharding.collective import collective_of
@@ -126,11 +127,11 @@ def explain(job) -> str:
     if g:
         lines.append(f"  products of two shards gather {'the smaller operand' if g['gather'] == 'fewer_bytes' else 'the activation'}"
                      f", by the cost model: step {g['activation_s'] * 1e3:.3f} ms gathering activations (peak "
-                     f"{g['activation_peak'] / 2**20:.2f} MiB) vs {g['fewer_bytes_s'] * 1e3:.3f} ms gathering the "
-                     f"smaller operand (peak {g['fewer_bytes_peak'] / 2**20:.2f} MiB)")
+                     f"{size_text(g['activation_peak'])}) vs {g['fewer_bytes_s'] * 1e3:.3f} ms gathering the "
+                     f"smaller operand (peak {size_text(g['fewer_bytes_peak'])})")
     for h in job.tp.head_choice if job.tp is not None else ():
         lines.append(f"  {h['head']}: {'vocab-parallel' if h['vocab_parallel'] else 'whole'}, by the cost "
-                     f"model: step {h['split_s'] * 1e3:.3f} ms vocab-parallel (peak {h['split_peak'] / 2**20:.2f} "
-                     f"MiB) vs {h['whole_s'] * 1e3:.3f} ms whole (peak {h['whole_peak'] / 2**20:.2f} MiB); "
+                     f"model: step {h['split_s'] * 1e3:.3f} ms vocab-parallel (peak {size_text(h['split_peak'])}) vs "
+                     f"{h['whole_s'] * 1e3:.3f} ms whole (peak {size_text(h['whole_peak'])}); "
                      "vocab_parallel=True|False decides instead")
     return "\n".join(lines)

@@ -537,12 +537,17 @@ def head_choice(cap: Capture, cost, ranks: int, group: str, sequence_parallel: b
     the whole one is predicted faster by more than ``HEAD_TIE``. Returns (weigh, the list each
     weighing is recorded in: the parameter's name, both predictions and which was kept)."""
     seen: list[dict] = []
+    estimates: dict[tuple, tuple[float, int]] = {}  # the embedding's "whole" is the head's chosen plan
+
+    def estimate(plan: dict) -> tuple[float, int]:
+        key = tuple(sorted((k, str(v)) for k, v in plan.items()))
+        if key not in estimates:
+            local = partition(cap, plan, ranks, group, sequence_parallel, stage, allow_replicate)[0]
+            estimates[key] = cost.estimate(local.gm)
+        return estimates[key]
 
     def weigh(split: dict, whole: dict) -> bool:
-        t = {}
-        for k, plan in (("split", split), ("whole", whole)):
-            local = partition(cap, plan, ranks, group, sequence_parallel, stage, allow_replicate)[0]
-            t[k] = cost.estimate(local.gm)
+        t = {"split": estimate(split), "whole": estimate(whole)}
         keep = t["whole"][0] >= (1 - HEAD_TIE) * t["split"][0]
         (name,) = set(split) - set(whole)
         seen.append({"head": name, "split_s": t["split"][0], "split_peak": t["split"][1],
