@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -37,6 +38,17 @@ def _train_parser(sub) -> None:
     p.add_argument("--export", default=None,
                    help="after training, write the consolidated weights (keys of model.state_dict()) to this "
                         "file with torch.save, atomically")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write sharded checkpoints (DCP) to DIR/step-N: model, optimizer, LR schedule, step, RNG "
+                        "and data position; each published by rename once complete")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save every K steps (default 0: after the last step only)")
+    p.add_argument("--checkpoint-keep", type=int, default=2, metavar="N",
+                   help="keep the N newest checkpoints in DIR (default 2; 0 keeps all)")
+    p.add_argument("--checkpoint-sync", action="store_true",
+                   help="save blocking (default: asynchronously; the step waits only for the copy to host memory)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint-dir, on any number of ranks")
     p.add_argument("--compile", choices=["fx", "inductor"], default="fx", help="executor of the step graph")
     p.add_argument("--data", default=None, help="train byte-level on this text file (default: synthetic stream)")
     p.add_argument("--mem-every", type=int, default=10,
@@ -359,7 +371,6 @@ def calibrate_main(args) -> None:
 
 def save_atomic(obj, path: str) -> None:
     """torch.save to a temporary file beside ``path``, then rename: a reader never sees half a file."""
-    import os
     import tempfile
 
     import torch
@@ -387,11 +398,7 @@ def train_main(args) -> None:
     from shardwise.runtime.memory import measure
 
     if args.device == "cpu":
-        import os
-
         os.environ["SHARDWISE_BACKEND"] = "gloo"
-    if args.grad_accum < 1:
-        raise SystemExit(f"--grad-accum must be >= 1, got {args.grad_accum}")
     mesh = _mesh_of(args)
     rank = dist.get_rank()
     drank, dws = mesh.rank("dp"), mesh.size("dp")  # the ranks of one tp group read the same batches
@@ -417,11 +424,26 @@ def train_main(args) -> None:
         data = SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed)
     n = sum(p.numel() for p in model.parameters())
     from shardwise.errors import BudgetError
+    from shardwise.runtime.checkpoint import latest, prune
+
+    start, pos, resumed = 0, 0, None  # pos: the next micro-batch index of the data stream
+    if args.resume:
+        path = latest(args.checkpoint_dir)
+        meta = job.load(path, extra={"scheduler": sched} if sched is not None else None)
+        start, pos = meta["steps"], meta["extra"]["data"]["position"]
+        resumed = (f"resumed from {path}: step {start}, data position {pos}, saved by {meta['world']} ranks "
+                   f"({meta['strategy']}, dp={meta['ranks']})")
+        if start >= args.steps:
+            if rank == 0:
+                print(f"nothing to do: the checkpoint is at step {start} and --steps is {args.steps}", flush=True)
+            dist.barrier()
+            dist.destroy_process_group()
+            return
 
     plan = None
     if args.grad_accum == 1:
         try:  # compiles the step program: the plan and its predicted peak exist before step 1
-            plan = job.predict_memory(tuple(t.to(mesh.device) for t in data.get(0, drank)))
+            plan = job.predict_memory(tuple(t.to(mesh.device) for t in data.get(pos, drank)))
         except BudgetError as e:
             if rank == 0:
                 print(f"shardwise train: {e}", file=sys.stderr, flush=True)
@@ -429,6 +451,8 @@ def train_main(args) -> None:
     if rank == 0:
         print(f"shardwise train: {args.model}/{args.size} ({n / 1e6:.2f} M params) {args.strategy} on {mesh}, "
               f"batch {args.batch}x{seq} per rank, {args.precision}, executor {args.compile}", flush=True)
+        if resumed:
+            print(resumed, flush=True)
     if rank == 0 and plan is not None:
         prog = job.programs()[0]
         extra = ""
@@ -450,16 +474,34 @@ def train_main(args) -> None:
     peak, peak_step, first = None, None, None
     exposed, pred_ms = None, None
     k = args.grad_accum
-    for step in range(args.steps):
-        micro = [tuple(t.to(mesh.device) for t in data.get(step * k + m, drank)) for m in range(k)]
+    def checkpoint(step: int) -> None:
+        path = f"{args.checkpoint_dir}/step-{step:08d}"
+        extra = {"data": {"position": pos, "kind": "file" if args.data else "synthetic", "seed": args.seed}}
+        if sched is not None:
+            extra["scheduler"] = sched
+        t0 = time.perf_counter()
+        out = job.save(path, extra=extra, blocking=args.checkpoint_sync)
+        stall = time.perf_counter() - t0
+        if rank == 0:
+            print(f"checkpoint after step {step}: {path} (the step waited {stall * 1e3:.0f} ms"
+                  f"{'' if args.checkpoint_sync else '; written in the background'})", flush=True)
+            if args.checkpoint_keep and not args.checkpoint_sync:
+                out._future.add_done_callback(lambda f: prune(args.checkpoint_dir, args.checkpoint_keep))
+            elif args.checkpoint_keep:
+                prune(args.checkpoint_dir, args.checkpoint_keep)
+
+    for step in range(start, args.steps):
+        micro = [tuple(t.to(mesh.device) for t in data.get(pos + m, drank)) for m in range(k)]
+        pos += k
         batch = micro if k > 1 else micro[0]
         t0 = time.perf_counter()
         on_cpu = mesh.device.type == "cpu"
-        if step == 2:
+        ran = step - start  # steps this run has taken before this one
+        if ran == 2:
             # one step under torch.profiler: the measured exposed communication of the step line
             loss, prof = job.profile_step(batch)
-            exposed = prof["exposed_pct"]
-        elif not on_cpu or step == 1 or (args.mem_every and step % args.mem_every == 0 and step > 0):
+            exposed, exposed_step = prof["exposed_pct"], step + 1
+        elif not on_cpu or ran == 1 or (args.mem_every and step % args.mem_every == 0 and ran > 0):
             loss, peak = measure(job, lambda: job.step(batch))
             peak_step = step + 1
         else:
@@ -469,7 +511,7 @@ def train_main(args) -> None:
             sched.step()
         loss_v = float(loss)
         dt = time.perf_counter() - t0
-        if step == 1 and k == 1:
+        if ran == 1 and k == 1:
             job.profile_compute(batch)  # measured compute (max over ranks) for the prediction
             pred_ms = job.predict_step(batch)["step_s"] * 1e3
         peaks = torch.tensor([peak if peak is not None else -1], dtype=torch.int64)
@@ -478,8 +520,10 @@ def train_main(args) -> None:
         if first is None:
             first = loss_v
         if rank == 0:
-            mem = " ".join(size_text(int(p)) if int(p) >= 0 else "-" for p in allp)
-            mem += "" if peak_step in (None, step + 1) else f" @step {peak_step}"
+            mem = ""  # until a step is measured (on CPU, the second), no peak to show
+            if peak_step is not None:
+                mem = "  peak/rank [" + " ".join(size_text(int(p)) for p in allp) + "]"
+                mem += "" if peak_step == step + 1 else f" @step {peak_step}"
             tok_s = args.batch * seq * dws * k / dt
             extra = f"  lr {lr:.2e}" if sched is not None else ""
             if job.last_grad_norm is not None:
@@ -487,9 +531,9 @@ def train_main(args) -> None:
             if pred_ms is not None:
                 extra += f"  pred_step {pred_ms:.1f} ms"
             if exposed is not None:
-                extra += f"  exposed_comm {exposed:.0f}% @step 3"
+                extra += f"  exposed_comm {exposed:.0f}% @step {exposed_step}"
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
-                  f"{dt * 1e3:7.1f} ms  peak/rank [{mem}]  sent/rank {size_text(job.last_comm_bytes)}{extra}",
+                  f"{dt * 1e3:7.1f} ms{mem}  sent/rank {size_text(job.last_comm_bytes)}{extra}",
                   flush=True)
         if rank == 0 and job.replans and job.replans[-1]["step"] == step + 1:
             r = job.replans[-1]
@@ -500,8 +544,13 @@ def train_main(args) -> None:
             ev = [float(job.eval_step(tuple(t.to(mesh.device) for t in data.get(10**9 + i, drank)))) for i in range(2)]
             if rank == 0:
                 print(f"eval after step {step + 1}: loss {sum(ev) / len(ev):.4f}", flush=True)
+        if args.checkpoint_dir and ((args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)
+                                    or step + 1 == args.steps):
+            checkpoint(step + 1)
+    if args.checkpoint_dir:
+        job.wait_saves()
     if rank == 0:
-        print(f"done: loss {first:.4f} -> {loss_v:.4f} over {args.steps} steps", flush=True)
+        print(f"done: loss {first:.4f} -> {loss_v:.4f} over steps {start + 1}..{args.steps}", flush=True)
     if args.export:
         sd = job.full_state_dict()  # every rank takes part; rank 0 receives the weights
         if rank == 0:
@@ -633,6 +682,28 @@ def plan_main(args) -> None:
             print("  " + line)
 
 
+def _check_train_args(parser, args) -> None:
+    """Told before any rank starts: bad counts, and checkpoints that would be lost or are not there."""
+    for flag in ("grad_accum", "steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.checkpoint_every < 0 or args.checkpoint_keep < 0:
+        parser.error("--checkpoint-every and --checkpoint-keep must be >= 0")
+    if not args.checkpoint_dir:
+        if args.resume or args.checkpoint_every:
+            parser.error(f"{'--resume' if args.resume else '--checkpoint-every'} needs --checkpoint-dir DIR")
+        return
+    from shardwise.runtime.checkpoint import latest
+
+    last = latest(args.checkpoint_dir)
+    if args.resume and last is None:
+        parser.error(f"--resume: no published checkpoint in {args.checkpoint_dir!r} (no step-N folder with its "
+                     "metadata); drop --resume to start a new run there")
+    if not args.resume and last is not None:
+        parser.error(f"{args.checkpoint_dir!r} already holds {os.path.basename(last)}: pass --resume to continue "
+                     "from it, or give another --checkpoint-dir (a new run would replace its checkpoints)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="A compiler for distributed PyTorch training.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -652,6 +723,8 @@ def main(argv=None) -> int:
             bench_config(args)
         except ValueError as e:
             parser.error(str(e))
+    if args.cmd == "train":
+        _check_train_args(parser, args)
     if getattr(args, "tp", 1) <= 1 and (getattr(args, "sp", False) or getattr(args, "vocab_parallel", "auto") != "auto"):
         # told here, before any rank starts
         parser.error("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1)" if args.sp else

@@ -11,15 +11,26 @@ each rank needs. A 0-dim parameter is stored as shape ``(1,)``, as the layouts h
 ``save(job, path)`` writes under a temporary name next to ``path`` and publishes it by rename once
 DCP's metadata is written (rank 0, after every rank's write), so a crash mid-save leaves the
 previous checkpoint at ``path`` as it was; ``load(job, path)`` checks that the checkpoint is
-complete and of this model before it reads a tensor.
+complete and of this model before it reads a tensor. ``blocking=False`` saves through DCP's
+``async_save``: the step waits only while the state is copied to host memory, the files are written
+on a thread, and rank 0 publishes the checkpoint when they are complete.
+
+Beside the job's own state a checkpoint holds each rank's RNG states (torch, CUDA, Python, NumPy:
+restored when the loading job has as many ranks) and ``extra``: objects of the training loop (an
+LR scheduler, a data position), each a ``state_dict()``/``load_state_dict()`` object or a plain
+value, the same on every rank.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import random
 import shutil
+import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -78,7 +89,42 @@ def _persistent_buffers(job) -> dict[str, torch.Tensor]:
     return out
 
 
-def state_dict(job) -> dict:
+def _pack(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _rng_state() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in st["python"]))
+    kind, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def _extra_state(extra: dict | None) -> dict:
+    out = {}
+    for k, v in (extra or {}).items():
+        out[k] = v.state_dict() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
+    return out
+
+
+def state_dict(job, extra: dict | None = None) -> dict:
     """This rank's part of the job's state, for ``dcp.save`` (module docstring)."""
     _refuse(job)
     job.updater.drain()
@@ -94,19 +140,26 @@ def state_dict(job) -> dict:
             else:  # a step count: the same on every rank
                 optim[f"{name}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    meta = {"format": FORMAT, "strategy": job.strategy, "ranks": job.mesh.dp, "steps": job.steps,
-            "groups": groups, "optimizer": type(opt).__name__}
+    meta = {"format": FORMAT, "strategy": job.strategy, "ranks": job.mesh.dp, "world": dist.get_world_size(),
+            "steps": job.steps, "groups": groups, "optimizer": type(opt).__name__, "extra": sorted(extra or {})}
     try:  # one leaf: DCP keeps it whole (nested dicts it would cut into keys)
         meta = json.dumps(meta)
     except TypeError as e:
         raise TypeError(f"the optimizer's hyperparameters cannot be checkpointed ({e}): keep them numbers, "
                         "lists and strings") from None
     buffers = {n: t.detach() for n, t in _persistent_buffers(job).items()}  # the same on every rank
-    return {"model": model, "buffers": buffers, "optim": optim, "meta": meta}
+    try:
+        packed = _pack(_extra_state(extra))
+    except Exception as e:  # noqa: BLE001 - named
+        raise TypeError(f"extra= of a checkpoint holds what torch.save cannot write ({e}): give objects with "
+                        "state_dict()/load_state_dict(), tensors, numbers, strings, lists and dicts") from None
+    return {"model": model, "buffers": buffers, "optim": optim, "meta": meta, "extra": packed,
+            f"rng.{dist.get_rank()}": _pack(_rng_state())}
 
 
-def load_state_dict(job, sd: dict) -> None:
-    """Copy a loaded ``state_dict`` (one whose tensors ``dcp.load`` filled) into the job's state."""
+def load_state_dict(job, sd: dict, extra: dict | None = None) -> dict:
+    """Copy a loaded ``state_dict`` (one whose tensors ``dcp.load`` filled) into the job's state, and
+    the training loop's objects saved beside it into ``extra``'s; returns the saved extra values."""
     _refuse(job)
     st, opt = job.state, job.optimizer
     with torch.no_grad():
@@ -133,12 +186,33 @@ def load_state_dict(job, sd: dict) -> None:
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
         for n, t in _persistent_buffers(job).items():
             t.copy_(sd["buffers"][n])
+        saved_extra = _load_extra(sd, extra)
         st.sync_full_from_master(job.group, job.mesh.dp)
         if job.strategy in ("zero1", "zero2"):  # the frozen parameters' whole copies too (no update gathers them)
             for n in st.names:
                 if not st.trainable[n]:
                     st.full[n].copy_(st.gather_full(n, job.group, job.mesh.dp).to(st.full[n].dtype))
     job.steps = meta["steps"]
+    rng = sd.get(f"rng.{dist.get_rank()}")
+    if rng is not None and meta.get("world") == dist.get_world_size():
+        _set_rng_state(_unpack(rng))
+    elif meta.get("world") != dist.get_world_size() and dist.get_rank() == 0:
+        warnings.warn(f"the checkpoint was saved by {meta.get('world')} ranks and is loaded by "
+                      f"{dist.get_world_size()}: its per-rank RNG states (dropout, sampling) are not carried "
+                      "over; each rank keeps its own generator's state", stacklevel=3)
+    return saved_extra
+
+
+def _load_extra(sd: dict, extra: dict | None) -> dict:
+    saved = _unpack(sd["extra"]) if isinstance(sd.get("extra"), bytes) else {}
+    missing = sorted(set(extra or {}) - set(saved))
+    if missing:
+        raise CheckpointError(f"the checkpoint holds no {missing} (it saved extra={sorted(saved)}): save them "
+                              "with job.save(path, extra=...) or leave them out of load")
+    for k, obj in (extra or {}).items():
+        if hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(saved[k])
+    return saved
 
 
 def _template(job, meta: dict) -> dict:
@@ -156,6 +230,10 @@ def _template(job, meta: dict) -> dict:
         else:
             sd["optim"][key] = torch.zeros((), dtype=torch.float32)
     sd["optim"] = {k: v for k, v in sd["optim"].items() if k in meta["optim_keys"]}
+    for k in [k for k in sd if k.startswith("rng.") and k not in meta["top"]]:
+        del sd[k]  # saved by fewer ranks: this rank has no state to take
+    if "extra" not in meta["top"]:
+        del sd["extra"]
     return sd
 
 
@@ -190,36 +268,94 @@ def _check(job, path: str) -> dict:
     if not isinstance(items.get("meta"), BytesStorageMetadata):
         raise CheckpointError(f"the directory {path!r} holds a DCP checkpoint that shardwise did not write "
                               "(no job metadata)")
-    return {"optim_keys": optim_keys, "sharded_keys": sharded}
+    return {"optim_keys": optim_keys, "sharded_keys": sharded, "top": {k.split(".")[0] if not k.startswith("rng.")
+                                                                        else k for k in items}}
 
 
-def save(job, path: str) -> str:
+def _publish(tmp: str, path: str) -> None:
+    """Rank 0, once every rank's pieces and DCP's metadata are written: ``tmp`` becomes ``path``
+    (an older checkpoint there is replaced whole, never left half)."""
+    old = path.rstrip("/") + ".old"
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if os.path.exists(old):
+        shutil.rmtree(old)
+
+
+class PendingSave:
+    """A save whose files are still being written on a thread (``save(..., blocking=False)``).
+    ``wait()`` returns the path once rank 0 has published it (every rank's files are written then)."""
+
+    def __init__(self, future, tmp: str, path: str, publish: bool, stall_s: float):
+        self.path, self.stall_s, self.error = path, stall_s, None
+        """``stall_s``: how long the caller waited (the copy of the state to host memory)."""
+        self._future = future
+        if publish:
+            future.add_done_callback(lambda f: self._publish(f, tmp))
+
+    def _publish(self, f, tmp: str) -> None:
+        try:
+            f.result()
+            _publish(tmp, self.path)
+        except BaseException as e:  # noqa: BLE001 - given to wait()
+            self.error = e
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> str:
+        self._future.result()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+def wait_saves(job) -> None:
+    """Wait for the job's save still being written, and (every rank) for its publication."""
+    pending, job._pending_save = getattr(job, "_pending_save", None), None
+    if pending is not None:
+        pending.wait()
+        dist.barrier(job.ctrl)  # rank 0's rename is done before any rank reads or writes it again
+
+
+def save(job, path: str, extra: dict | None = None, blocking: bool = True):
     """Write the job's state to the directory ``path`` (a collective), atomically: under
     ``<path>.partial`` first, renamed to ``path`` once complete (an older one there is replaced
-    only then). Returns ``path``."""
-    sd = state_dict(job)
+    only then). Returns ``path``; with ``blocking=False`` a ``PendingSave`` (the files are written
+    on a thread; the next save, load or ``job.wait_saves()`` waits for it)."""
+    import time
+
+    wait_saves(job)
+    t0 = time.perf_counter()
+    sd = state_dict(job, extra)
     tmp = path.rstrip("/") + ".partial"
     rank = dist.get_rank()
-    if rank == 0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # what a crashed save left
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # what a crashed save left
     dist.barrier(job.ctrl)
+    if not blocking:
+        if getattr(job, "_save_group", None) is None:  # DCP's own collectives, off the step's groups
+            job._save_group = dist.new_group(backend="gloo")
+        fut = dcp.async_save(sd, checkpoint_id=tmp, process_group=job._save_group)
+        job._pending_save = PendingSave(fut, tmp, path, rank == 0, time.perf_counter() - t0)
+        return job._pending_save
     dcp.save(sd, checkpoint_id=tmp)
     dist.barrier(job.ctrl)  # every rank's pieces and the metadata written
     if rank == 0:
-        old = path.rstrip("/") + ".old"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if os.path.exists(old):
-            shutil.rmtree(old)
+        _publish(tmp, path)
     dist.barrier(job.ctrl)
     return path
 
 
-def load(job, path: str) -> dict:
+def load(job, path: str, extra: dict | None = None) -> dict:
     """Load the checkpoint at ``path`` into the job (a collective), resharded to this job's ranks and
-    strategy; returns its metadata (steps, strategy, ...)."""
+    strategy, and the loop's objects in ``extra`` from what was saved beside it; returns its
+    metadata (steps, strategy, ranks, and the saved extra values under ``"extra"``)."""
     _refuse(job)
+    wait_saves(job)
     meta = _check(job, path)
     sd = _template(job, meta)
     dcp.load(sd, checkpoint_id=path)
@@ -231,29 +367,53 @@ def load(job, path: str) -> dict:
         raise CheckpointError(f"the checkpoint at {path!r} holds {saved['optimizer']} state of {len(saved['groups'])} "
                               f"parameter group(s); this job steps {type(job.optimizer).__name__} with "
                               f"{len(job.optimizer.param_groups)}: build the job with the same optimizer")
-    load_state_dict(job, sd)
+    saved["extra"] = load_state_dict(job, sd, extra)
     return saved
+
+
+def latest(directory: str) -> str | None:
+    """The published checkpoint of the highest step under ``directory`` (``step-N`` folders), or None."""
+    if not os.path.isdir(directory):
+        return None
+    steps = [(int(d[5:]), d) for d in os.listdir(directory)
+             if d.startswith("step-") and d[5:].isdigit() and os.path.exists(os.path.join(directory, d, ".metadata"))]
+    return os.path.join(directory, max(steps)[1]) if steps else None
+
+
+def prune(directory: str, keep: int) -> None:
+    """Rank 0: remove all but the ``keep`` newest published checkpoints under ``directory``."""
+    steps = sorted(int(d[5:]) for d in os.listdir(directory) if d.startswith("step-") and d[5:].isdigit())
+    for s in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(directory, f"step-{s:08d}"), ignore_errors=True)
 
 
 class Checkpointing:
     """The checkpoint methods of ``Job`` (this module's functions on the job)."""
 
-    def state_dict(self) -> dict:
+    def state_dict(self, extra: dict | None = None) -> dict:
         """This rank's part of the job's state for ``dcp.save``: each parameter and optimizer tensor a
-        DTensor of its whole shape over the dp axis, the buffers, hyperparameters and step counter."""
-        return state_dict(self)
+        DTensor of its whole shape over the dp axis, the buffers, hyperparameters and step counter,
+        this rank's RNG states and ``extra`` (module docstring)."""
+        return state_dict(self, extra)
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, extra: dict | None = None) -> dict:
         """Take the state ``dcp.load`` read into a ``state_dict()`` of this job."""
-        load_state_dict(self, sd)
+        return load_state_dict(self, sd, extra)
 
-    def save(self, path: str) -> str:
+    def save(self, path: str, extra: dict | None = None, blocking: bool = True):
         """Write a sharded checkpoint to the directory ``path`` (a collective), published by rename once
-        complete, so a crash mid-save leaves an older checkpoint at ``path`` as it was."""
-        return save(self, path)
+        complete, so a crash mid-save leaves an older checkpoint at ``path`` as it was. ``extra``:
+        the loop's objects to keep with it (``{"scheduler": sched}``; ``state_dict()`` objects or plain
+        values). ``blocking=False``: DCP's async save, returning a ``PendingSave`` at once."""
+        return save(self, path, extra, blocking)
 
-    def load(self, path: str) -> dict:
+    def wait_saves(self) -> None:
+        """Wait until a save still being written (``blocking=False``) is published (a collective)."""
+        wait_saves(self)
+
+    def load(self, path: str, extra: dict | None = None) -> dict:
         """Load the checkpoint at ``path`` (a collective), resharded to this job's dp ranks and strategy;
         returns what it recorded (steps, strategy, ranks). A missing, partial or foreign checkpoint, or
-        one of another model, is a ``CheckpointError`` naming the directory and what differs."""
-        return load(self, path)
+        one of another model, is a ``CheckpointError`` naming the directory and what differs.
+        ``extra``: the objects to restore from what ``save(extra=...)`` kept (``load_state_dict``)."""
+        return load(self, path, extra)

@@ -33,6 +33,15 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:  # torch.fx's Interpreter builds a (disabled) tqdm bar, whose first use makes a process-shared
+        # lock; this rank leaves by os._exit below, so that lock would be reported leaked at exit
+        import threading
+
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
+    except ImportError:
+        pass
     fn(*args)
     # The work is done and flushed; leave without running interpreter teardown, where gloo's
     # threads were seen to abort a finished rank now and then ("terminate called without an

@@ -185,8 +185,13 @@ def exposed_comm(prof) -> dict[str, Any]:
 def profiled(fn: Callable[[], Any], device: torch.device, trace: str | None = None) -> tuple[Any, dict[str, float]]:
     """Run ``fn`` (one training step) under ``torch.profiler``; returns (its result, {step_s, comm_s,
     exposed_s, exposed_pct}); ``trace`` writes the chrome trace (open in chrome://tracing or Perfetto)."""
+    import os
+
     from torch.profiler import ProfilerActivity, profile
 
+    # under a job's RANK kineto prints each profiler start and stop ("USDT: ... profiler_start") at
+    # every log level below 6; a user's own setting wins (read when the profiler first starts)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
