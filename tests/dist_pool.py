@@ -65,6 +65,20 @@ class Pool:
             res[r] = (ok, val)
         return res
 
+    def run_until_dead(self, fn, *args, timeout: float = 300, **kwargs) -> list:
+        """Start ``fn`` on every rank and wait until every rank's process has ended (a function that
+        kills its process); returns their exit codes."""
+        import time
+
+        for q in self.inqs:
+            q.put((fn, args, kwargs))
+        t0 = time.monotonic()
+        while any(p.is_alive() for p in self.procs):
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"ranks still alive after {timeout} s")
+            time.sleep(0.1)
+        return [p.exitcode for p in self.procs]
+
     def run(self, fn, *args, **kwargs) -> list:
         res = self.run_all(fn, *args, **kwargs)
         for r, (ok, val) in enumerate(res):

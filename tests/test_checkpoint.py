@@ -6,17 +6,43 @@ import os
 import harness
 import pytest
 import torch
+from dist_pool import Pool
+
+
+def _killed(fn, *args, **kw) -> list:
+    """Exit codes of two fresh ranks running ``fn``, which SIGKILLs every rank."""
+    pool = Pool(2)
+    try:
+        return pool.run_until_dead(fn, *args, **kw)
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_a_resumed_run_is_bit_identical_to_the_uninterrupted_one(pools, tmp_path, strategy):
+def test_a_run_killed_after_a_save_resumes_bit_identical_to_the_uninterrupted_one(pools, tmp_path, strategy):
+    """Two micro-batches per step, clipping and a cosine schedule (kept in the checkpoint); every rank
+    SIGKILLed right after the save at step 2; the resumed steps 3 and 4 give the same floats."""
+    full, sd_full, _ = pools(2).run(harness.ckpt_run, strategy, str(tmp_path / "a"), 4, save_at=2, loop=True)[0]
     path = str(tmp_path / "ck")
-    full, sd_full, _ = pools(2).run(harness.ckpt_run, strategy, path, 4, save_at=2)[0]
+    assert _killed(harness.ckpt_run, strategy, path, 4, save_at=2, loop=True, die="after") == [-9, -9]
     assert os.path.exists(os.path.join(path, ".metadata")) and not os.path.exists(path + ".partial")
-    resumed, sd, meta = pools(2).run(harness.ckpt_run, strategy, path, 4, resume=True)[0]
+    resumed, sd, meta = pools(2).run(harness.ckpt_run, strategy, path, 4, resume=True, loop=True)[0]
     assert meta["steps"] == 2 and meta["strategy"] == strategy and meta["ranks"] == 2
+    assert meta["extra"]["scheduler"]["last_epoch"] == 2
     assert resumed == {s: full[s] for s in (2, 3)}  # bitwise: the same floats
     assert all(torch.equal(sd[k], sd_full[k]) for k in sd_full)
+
+
+def test_a_run_killed_between_the_write_and_the_publish_resumes_from_the_save_before(pools, tmp_path):
+    """The save after step 2 has written every rank's pieces and DCP's metadata, under
+    ``ck.partial``, when every rank is killed: ``ck`` still holds step 1's checkpoint, whole."""
+    full, _, _ = pools(2).run(harness.ckpt_run, "zero3", str(tmp_path / "a"), 3, save_at=1)[0]
+    path = str(tmp_path / "ck")
+    pools(2).run(harness.ckpt_run, "zero3", path, 1, save_at=1)
+    _killed(harness.ckpt_run, "zero3", path, 3, save_at=2, resume=True, die="in")
+    assert os.path.exists(os.path.join(path + ".partial", ".metadata"))  # written, never published
+    resumed, _, meta = pools(2).run(harness.ckpt_run, "zero3", path, 3, resume=True)[0]
+    assert meta["steps"] == 1 and resumed == {s: full[s] for s in (1, 2)}
 
 
 def test_a_zero3_checkpoint_of_two_ranks_resumes_on_one_under_ddp(pools, tmp_path):
@@ -26,6 +52,16 @@ def test_a_zero3_checkpoint_of_two_ranks_resumes_on_one_under_ddp(pools, tmp_pat
     full, sd_full, _ = pools(2).run(harness.ckpt_run, "zero3", path, 4, save_at=2)[0]
     resumed, sd, meta = pools(1).run(harness.ckpt_run, "ddp", path, 4, resume=True, micro_of=2)[0]
     assert meta["ranks"] == 2 and sorted(resumed) == [2, 3]
+    assert max(abs(resumed[s] - full[s]) / abs(full[s]) for s in (2, 3)) <= 1e-5
+    assert harness.rel_param_err(sd, sd_full) <= 1e-5
+
+
+def test_a_zero2_checkpoint_of_two_ranks_resumes_on_four_under_zero3(pools, tmp_path):
+    """dp=2 -> dp=4: each of the four ranks takes half of a saving rank's batch (the same mean gradient)."""
+    path = str(tmp_path / "ck")
+    full, sd_full, _ = pools(2).run(harness.ckpt_run, "zero2", path, 4, save_at=2)[0]
+    resumed, sd, meta = pools(4).run(harness.ckpt_run, "zero3", path, 4, resume=True, half=True)[0]
+    assert meta["ranks"] == 2 and meta["world"] == 2 and sorted(resumed) == [2, 3]
     assert max(abs(resumed[s] - full[s]) / abs(full[s]) for s in (2, 3)) <= 1e-5
     assert harness.rel_param_err(sd, sd_full) <= 1e-5
 
