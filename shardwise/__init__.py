@@ -21,6 +21,8 @@ from .errors import (
     CheckpointError,
     MeshError,
     PlanMismatchError,
+    RankFailure,
+    RankMismatchError,
     ShardwiseError,
 )
 from .job import Job, compile
@@ -30,7 +32,7 @@ from .sharding.annotate import shard
 
 __version__ = "0.1.0"
 __all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "Job", "Mesh", "MeshError", "MixedPrecision",
-           "Partial", "PlanMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan",
+           "Partial", "PlanMismatchError", "RankFailure", "RankMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan",
            "shard"]
 
 

@@ -49,6 +49,10 @@ def _train_parser(sub) -> None:
                    help="save blocking (default: asynchronously; the step waits only for the copy to host memory)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir, on any number of ranks")
+    p.add_argument("--timeout", type=float, default=100.0, metavar="S",
+                   help="seconds a step may wait on other ranks (six times that while compiling); a rank that "
+                        "waits longer names the rank that failed or stalled and the step, and every rank exits "
+                        "(default 100)")
     p.add_argument("--compile", choices=["fx", "inductor"], default="fx", help="executor of the step graph")
     p.add_argument("--data", default=None, help="train byte-level on this text file (default: synthetic stream)")
     p.add_argument("--mem-every", type=int, default=10,
@@ -413,6 +417,7 @@ def train_main(args) -> None:
         mixed_precision=mp,
         compile=args.compile,
         clip_grad_norm=args.clip,
+        timeout=args.timeout,
         **_memory_kw(args),
         **_tp_kw(args),
     )
@@ -687,6 +692,8 @@ def _check_train_args(parser, args) -> None:
     for flag in ("grad_accum", "steps"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.checkpoint_every < 0 or args.checkpoint_keep < 0:
         parser.error("--checkpoint-every and --checkpoint-keep must be >= 0")
     if not args.checkpoint_dir:

@@ -140,6 +140,8 @@ class Compiler:
         """Programs of a plan being made again (a budget's check): kept where the new plan is the same."""
         self.recompiles_avoided = 0
         """Training programs a re-plan made again unchanged (their compiled code kept)."""
+        self.on_compile = None
+        """Called as a compilation starts (the watchdog then allows the step longer)."""
 
     def get(self, batch, mode: str) -> Compiled:
         """The program for this batch and mode, compiled if new; every rank first agrees on the
@@ -224,6 +226,8 @@ class Compiler:
 
     def _compile(self, key, batch, tensors, mode: str) -> None:
         train = mode != "eval"
+        if self.on_compile is not None:
+            self.on_compile()
 
         def first():
             cap = capture_step(self.model, batch, loss_fn=self.loss_fn, param_dtype=self.param_dtype, train=train,

@@ -190,8 +190,15 @@ class JobConfig:
     vocab_parallel: bool | None = None
     """Megatron's plan: the untied LM head cut by classes (True), whole (False), or whichever the cost
     model predicts faster (None; passes/tp.py ``head_choice``)."""
+    timeout: float | None = 100.0
+    """Seconds a step (or eval, save, load) may wait on other ranks; six times that while it compiles.
+    A rank that waits longer leaves with a message naming the rank that failed, stalled or is elsewhere
+    and the step (runtime/watchdog.py); None: no watch."""
 
     def __post_init__(self):
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                                         or self.timeout <= 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, or None for no watch; got {self.timeout!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
         if self.executor not in EXECUTORS:

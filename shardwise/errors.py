@@ -35,6 +35,14 @@ class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint that cannot be loaded into this job: missing, partial, foreign, or of another model."""
 
 
+class RankFailure(ShardwiseError, RuntimeError):
+    """Another rank failed, stalled, died or is doing something else (named, with the step)."""
+
+
+class RankMismatchError(ShardwiseError, RuntimeError):
+    """Ranks called different methods of the job, or different numbers of steps, at one point."""
+
+
 def size_text(n: float) -> str:
     """Bytes in the largest unit (up to GiB) of which there is at least one: messages and the CLI's
     lines never say 0.0 MiB."""
@@ -46,4 +54,4 @@ def size_text(n: float) -> str:
 
 
 __all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "MeshError", "PlanMismatchError",
-           "ShardwiseError"]
+           "RankFailure", "RankMismatchError", "ShardwiseError"]

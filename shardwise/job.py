@@ -24,6 +24,10 @@ from .runtime.mesh import Mesh
 from .runtime.mesh import mesh as make_mesh
 from .runtime.state import ShardedState
 from .runtime.update import Updater
+from .runtime.watchdog import watched, watchdog
+
+_JOBS = iter(range(1, 1 << 62))
+"""Job numbers of this process: the same on every rank that builds its jobs alike."""
 
 
 def compile(
@@ -57,6 +61,7 @@ def compile(
     sequence_parallel: bool = False,
     allow_replicate: bool = False,
     vocab_parallel: bool | None = None,
+    timeout: float | None = 100.0,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 
@@ -71,7 +76,8 @@ def compile(
     (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``, ``offload_activations``),
     optimizer offload (``OffloadOptions``), the update (``UpdateOptions``: ``clip_grad_norm``,
     ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and, where ``mesh`` has
-    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate`` and ``vocab_parallel`` (``JobConfig``).
+    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate`` and ``vocab_parallel``, and the
+    ``timeout`` a step may wait on other ranks (``JobConfig``).
     README.md says what each does and what it measured.
 
     Example::
@@ -95,7 +101,8 @@ def compile(
         update=UpdateOptions(clip_grad_norm=clip_grad_norm, fused_optimizer=fused_optimizer,
                              overlap_update=overlap_update),
         matmul_sm_carveout=matmul_sm_carveout, link_profile=link_profile, tp_plan=tp_plan,
-        sequence_parallel=sequence_parallel, allow_replicate=allow_replicate, vocab_parallel=vocab_parallel)
+        sequence_parallel=sequence_parallel, allow_replicate=allow_replicate, vocab_parallel=vocab_parallel,
+        timeout=timeout)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is None:
@@ -116,6 +123,7 @@ class Job(Checkpointing):
                 raise MeshError(f"mesh axis {axis}={n}: this version shards the dp and tp axes; expert "
                                 "parallelism is being built")
         self.model, self.mesh, self.config, self.strategy = model, mesh, config, config.strategy
+        self.watch_id, self.watchdog, self.steps = next(_JOBS), watchdog(config.timeout), 0
         dp, group = mesh.size("dp"), mesh.group("dp")
         self.group = group
         backend = dist.get_backend(group)
@@ -133,7 +141,7 @@ class Job(Checkpointing):
             raise ValueError(f"the model's tensors are on {sorted(map(str, devs))} but the mesh runs on {dev}; "
                              f"move the model first: model.to({str(dev)!r})")
         if dist.get_world_size() > 1:  # every rank starts from rank 0's weights and buffers, as DDP does
-            with torch.no_grad():
+            with torch.no_grad(), watched(self, "start"):
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t.data, src=0)
         named = list(model.named_parameters())
@@ -153,9 +161,9 @@ class Job(Checkpointing):
         self.compiler = Compiler(model, self.strategy, self.ctx, self.agree, self.plan, dev, mp.param_dtype,
                                  config.loss_fn, inductor=config.executor == "inductor", tp=self.tp,
                                  on_tp_plan=self._shard_tp)
+        self.compiler.on_compile = self.watchdog.compile_started if self.watchdog else None
         self.node_times: dict[tuple, dict[str, float]] = {}
         """Measured seconds per node of a program (``profile_compute``), by (batch signature, mode)."""
-        self.steps = 0
         self.last_comm_bytes = 0
         """Bytes this rank sent in the last step."""
         self.last_step_s: float | None = None
@@ -185,7 +193,14 @@ class Job(Checkpointing):
 
         Under a ``memory_budget`` step ``replan_at`` is measured against its prediction: when the
         measured peak (the maximum over ranks) is over the budget or more than 10% off, the plan is
-        made again with the difference held back, the same on every rank (``job.replans``)."""
+        made again with the difference held back, the same on every rank (``job.replans``).
+
+        Every rank must call it alike; one that waits on the others longer than ``timeout`` leaves with
+        a message naming the rank that failed, stalled or is elsewhere (runtime/watchdog.py)."""
+        with watched(self, "step"):
+            return self._checked_step(batch)
+
+    def _checked_step(self, batch) -> torch.Tensor:
         plan = self.plan
         if plan.residency_pending:  # offload on CUDA: the first steps' measured peak decides residency
             loss = plan.measure_residency(lambda: self._step(batch))
@@ -218,7 +233,8 @@ class Job(Checkpointing):
 
     def eval_step(self, batch) -> torch.Tensor:
         """Forward only, in eval mode (dropout off): the loss averaged over data-parallel ranks."""
-        return self.executor.run(self.compiler.get(batch, "eval"), batch)[0].detach()
+        with watched(self, "eval"):
+            return self.executor.run(self.compiler.get(batch, "eval"), batch)[0].detach()
 
     def synchronize(self) -> None:
         """Wait (on the current stream) for an update still running on a stream of its own
@@ -234,7 +250,8 @@ class Job(Checkpointing):
         """
         self.updater.drain()
         keep = not rank0_only or dist.get_rank() == 0
-        return self.state.full_state_dict(self.model, self.group, self.mesh.size("dp"), keep)
+        with watched(self, "full_state_dict"):
+            return self.state.full_state_dict(self.model, self.group, self.mesh.size("dp"), keep)
 
     # -- programs ------------------------------------------------------------------------------
 

@@ -822,3 +822,33 @@ def ckpt_run(strategy: str, path: str, steps: int, save_at: int | None = None, r
             if die == "after":
                 os.kill(os.getpid(), signal.SIGKILL)
     return losses, job.full_state_dict(), meta
+
+
+def hang_run(case: str, timeout: float = 3.0, steps: int = 3):
+    """The tiny Llama on this pool's ranks with a test-short ``timeout``, rank 1 misbehaving at the
+    last step: "stop" (SIGSTOP a moment into it), "fewer" (rank 1 takes one step fewer), "raise" (its
+    update raises), "eval" (rank 1 calls eval_step where rank 0 steps). Returns the losses of the
+    rank that got through."""
+    import os
+    import signal
+    import threading
+
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(), timeout=timeout)
+    r = dist.get_rank()
+    losses = []
+    for s in range(steps):
+        batch = make_batch("llama", s, r)
+        last = s == steps - 1 and r == 1
+        if last and case == "fewer":
+            break
+        if last and case == "stop":
+            threading.Timer(0.005, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        if last and case == "raise":  # before the step's first collective
+            def broken(*a, **k):
+                raise OSError("no space left on device (a test's)")
+            job.executor.forward_backward = broken
+        if last and case == "eval":
+            losses.append(float(job.eval_step(batch)))
+            continue
+        losses.append(float(job.step(batch)))
+    return losses

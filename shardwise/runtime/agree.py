@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import BatchMismatchError, PlanMismatchError
+from ..errors import BatchMismatchError, PlanMismatchError, RankMismatchError
 
 
 def signature_hash(sig: str) -> int:
@@ -27,12 +27,16 @@ class Agreement:
         self.ranks = dist.get_world_size(group)
         self.ctrl = group if dist.get_backend(group) == "gloo" else dist.new_group(dist.get_process_group_ranks(group),
                                                                                    backend="gloo")
+        self.doing = ""
+        """What this rank is doing (``job.step (step 6)``): agreed with each batch signature."""
 
     def same(self, sig: str, what: str) -> None:
         """All ranks hold the same ``sig`` (a batch signature or a graph hash), or all raise:
         ``BatchMismatchError`` for a batch, ``PlanMismatchError`` for a graph."""
         if self.ranks == 1:
             return
+        if what == "batch" and self.doing:
+            sig = f"{self.doing} | {sig}"
         mine = torch.tensor([signature_hash(sig)], dtype=torch.int64)
         allh = [torch.empty_like(mine) for _ in range(self.ranks)]
         dist.all_gather(allh, mine, group=self.ctrl)
@@ -40,6 +44,16 @@ class Agreement:
             return
         descs: list[Any] = [None] * self.ranks
         dist.all_gather_object(descs, sig[:400], group=self.ctrl)
+        doing = [d.split(" | ", 1)[0] if " | " in d else "" for d in descs]
+        if what == "batch" and len(set(doing)) > 1:
+            by: dict[str, list[int]] = {}
+            for r, d in enumerate(doing):
+                by.setdefault(d, []).append(r)
+            raise RankMismatchError(
+                "ranks are doing different things: " + "; ".join(f"ranks {rs} in {d}" for d, rs in by.items())
+                + ". Every rank must call job.step and job.eval_step alike: the same number of steps, "
+                "eval_step on every rank or on none")
+        descs = [d.split(" | ", 1)[1] if " | " in d else d for d in descs]
         groups: dict[str, list[int]] = {}
         for r, d in enumerate(descs):
             groups.setdefault(d, []).append(r)

@@ -405,7 +405,10 @@ class Checkpointing:
         complete, so a crash mid-save leaves an older checkpoint at ``path`` as it was. ``extra``:
         the loop's objects to keep with it (``{"scheduler": sched}``; ``state_dict()`` objects or plain
         values). ``blocking=False``: DCP's async save, returning a ``PendingSave`` at once."""
-        return save(self, path, extra, blocking)
+        from .watchdog import watched
+
+        with watched(self, "save"):
+            return save(self, path, extra, blocking)
 
     def wait_saves(self) -> None:
         """Wait until a save still being written (``blocking=False``) is published (a collective)."""
@@ -416,4 +419,7 @@ class Checkpointing:
         returns what it recorded (steps, strategy, ranks). A missing, partial or foreign checkpoint, or
         one of another model, is a ``CheckpointError`` naming the directory and what differs.
         ``extra``: the objects to restore from what ``save(extra=...)`` kept (``load_state_dict``)."""
-        return load(self, path, extra)
+        from .watchdog import watched
+
+        with watched(self, "load"):
+            return load(self, path, extra)
