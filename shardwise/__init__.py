@@ -20,6 +20,7 @@ from .errors import (
     CaptureError,
     CheckpointError,
     MeshError,
+    OutsideStepError,
     PlanMismatchError,
     RankFailure,
     RankMismatchError,
@@ -32,7 +33,7 @@ from .sharding.annotate import shard
 
 __version__ = "0.1.0"
 __all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "Job", "Mesh", "MeshError", "MixedPrecision",
-           "Partial", "PlanMismatchError", "RankFailure", "RankMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan",
+           "OutsideStepError", "Partial", "PlanMismatchError", "RankFailure", "RankMismatchError", "Replicate", "Shard", "ShardwiseError", "compile", "mesh", "models", "plan",
            "shard"]
 
 

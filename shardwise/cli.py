@@ -527,8 +527,8 @@ def train_main(args) -> None:
         if rank == 0:
             mem = ""  # until a step is measured (on CPU, the second), no peak to show
             if peak_step is not None:
-                mem = "  peak/rank [" + " ".join(size_text(int(p)) for p in allp) + "]"
-                mem += "" if peak_step == step + 1 else f" @step {peak_step}"
+                at = "" if peak_step == step + 1 else f" @step {peak_step}"
+                mem = "  peak/rank [" + " ".join(size_text(int(p)) for p in allp) + at + "]"
             tok_s = args.batch * seq * dws * k / dt
             extra = f"  lr {lr:.2e}" if sched is not None else ""
             if job.last_grad_norm is not None:

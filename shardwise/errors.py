@@ -35,6 +35,10 @@ class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint that cannot be loaded into this job: missing, partial, foreign, or of another model."""
 
 
+class OutsideStepError(ShardwiseError, RuntimeError):
+    """The job's model or optimizer was trained outside ``job.step`` (which would not train right)."""
+
+
 class RankFailure(ShardwiseError, RuntimeError):
     """Another rank failed, stalled, died or is doing something else (named, with the step)."""
 
@@ -53,5 +57,5 @@ def size_text(n: float) -> str:
     return str(n)
 
 
-__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "MeshError", "PlanMismatchError",
+__all__ = ["BatchMismatchError", "BudgetError", "CaptureError", "CheckpointError", "MeshError", "OutsideStepError", "PlanMismatchError",
            "RankFailure", "RankMismatchError", "ShardwiseError"]

@@ -24,6 +24,7 @@ from .runtime.mesh import Mesh
 from .runtime.mesh import mesh as make_mesh
 from .runtime.state import ShardedState
 from .runtime.update import Updater
+from .runtime.guard import install, stepping
 from .runtime.watchdog import watched, watchdog
 
 _JOBS = iter(range(1, 1 << 62))
@@ -123,7 +124,7 @@ class Job(Checkpointing):
                 raise MeshError(f"mesh axis {axis}={n}: this version shards the dp and tp axes; expert "
                                 "parallelism is being built")
         self.model, self.mesh, self.config, self.strategy = model, mesh, config, config.strategy
-        self.watch_id, self.watchdog, self.steps = next(_JOBS), watchdog(config.timeout), 0
+        self.watch_id, self.watchdog, self.steps, self._stepping = next(_JOBS), watchdog(config.timeout), 0, 0
         dp, group = mesh.size("dp"), mesh.group("dp")
         self.group = group
         backend = dist.get_backend(group)
@@ -153,6 +154,7 @@ class Job(Checkpointing):
                                   offload_overlap=off.offload_overlap, fused=upd.fused_optimizer,
                                   keep_model=self.tp is not None)
         self.buffers = dict(model.named_buffers())
+        install(self)  # job.model and job.optimizer train only through job.step (runtime/guard.py)
         self.updater = Updater(self.state, dev, group, dp, upd.clip_grad_norm, upd.overlap_update)
         self.executor = Executor(self.state, self.buffers, dev, self.tp.rank_input if self.tp else None)
         self.plan = MemoryPlan(self.state, self.buffers, self.cost, self.agree, self.updater, dev, group, dp,
@@ -183,6 +185,7 @@ class Job(Checkpointing):
                                   self.config.mixed_precision.param_dtype, tp=state, reuse=self.state)
         for part in (self.executor, self.updater, self.plan):
             part.state = self.state
+        install(self)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -197,7 +200,7 @@ class Job(Checkpointing):
 
         Every rank must call it alike; one that waits on the others longer than ``timeout`` leaves with
         a message naming the rank that failed, stalled or is elsewhere (runtime/watchdog.py)."""
-        with watched(self, "step"):
+        with watched(self, "step"), stepping(self):
             return self._checked_step(batch)
 
     def _checked_step(self, batch) -> torch.Tensor:

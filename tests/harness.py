@@ -852,3 +852,23 @@ def hang_run(case: str, timeout: float = 3.0, steps: int = 3):
             continue
         losses.append(float(job.step(batch)))
     return losses
+
+
+def plain_loop_run(strategy: str):
+    """A loop of one's own over a job's model and optimizer (the way DDP is trained by hand): what
+    each of its calls raised, and the largest difference of the ranks' weights after it."""
+    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    x, y = make_batch("llama", 0, dist.get_rank())
+    job.step((x, y))
+    said = []
+    for call in (lambda: job.model(x, y).backward(), lambda: job.optimizer.step()):
+        try:
+            call()
+            said.append(None)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            said.append((type(e).__name__, str(e)))
+    sd = job.full_state_dict(rank0_only=False)
+    mine = torch.cat([v.flatten().double() for v in sd.values()])
+    other = mine.clone()
+    dist.broadcast(other, src=0)
+    return said, float((mine - other).abs().max())

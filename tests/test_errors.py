@@ -190,3 +190,15 @@ def test_matmul_sm_carveout_defaults_to_auto_which_never_carves_on_cpu():
     assert [carveout_arg(v) for v in ("auto", "off", "0", "24")] == ["auto", None, None, 24]
     with pytest.raises(Exception, match="expected 'auto', 'off' or a number of SMs, got 'most'"):
         carveout_arg("most")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_loop_of_ones_own_over_the_jobs_model_is_refused_not_trained_wrong(pools, strategy):
+    """Under ddp such a loop once ran: gradients were not reduced and the ranks' weights drifted apart
+    (7e-3 after one step) with no error; under zero3 it failed deep in a kernel (meta tensors)."""
+    for said, drift in pools(2).run(harness.plain_loop_run, strategy):
+        (name, msg), (oname, omsg) = said
+        assert name == oname == "OutsideStepError"
+        assert "job.step(batch)" in msg and "job.step(batch)" in omsg
+        assert ("drift apart" if strategy == "ddp" else "holds no weights") in msg, msg
+        assert drift == 0.0

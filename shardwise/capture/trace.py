@@ -157,7 +157,9 @@ def capture_step(
         b = pytree.tree_unflatten(leaves, spec)
         state = dict(zip(pnames, p_in))
         state.update(zip(bnames, b_in))
-        with _reparametrize_module(model, state, tie_weights=True):
+        from ..runtime.guard import tracing
+
+        with _reparametrize_module(model, state, tie_weights=True), tracing():
             out = call_model(model, b)
             loss = extract_loss(out, b, loss_fn)
             if not with_grads:
