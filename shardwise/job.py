@@ -228,6 +228,8 @@ class Job(Checkpointing):
         self.executor.comm_bytes = 0
         loss, grads = self.executor.forward_backward(micro, self.compiler.get, self.config.whole_grads)
         first = next(iter(self.compiler.programs.values())).program
+        written = {n for c in self.compiler.programs.values() for n in c.program.capture.written_buffers}
+        self.executor.sync_buffers(sorted(written), self.group, self.mesh.dp)
         sent = self.updater.step(dict(zip(self.state.grad_names, grads)), first)
         self.last_comm_bytes = self.executor.comm_bytes + sent
         self.last_step_s = time.perf_counter() - t0

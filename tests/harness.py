@@ -872,3 +872,69 @@ def plain_loop_run(strategy: str):
     other = mine.clone()
     dist.broadcast(other, src=0)
     return said, float((mine - other).abs().max())
+
+
+class BatchNormCNN(torch.nn.Module):
+    """Two conv + BatchNorm blocks and a linear head: buffers written in place in every step."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.c1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=0.3)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x, y):
+        h = torch.relu(self.bn1(self.c1(x)))
+        h = torch.relu(self.bn2(self.c2(h)))
+        return torch.nn.functional.cross_entropy(self.fc(h.mean((2, 3))), y)
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return BatchNormCNN().double()
+
+
+def bn_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(step * 101 + rank)
+    return torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (4,), generator=g)
+
+
+def bn_run(strategy: str, steps: int = 3, compile: str | None = None):
+    job = sw.compile(bn_model(), optimizer=adamw, strategy=strategy, mesh=sw.mesh(), compile=compile)
+    r = dist.get_rank()
+    losses = [float(job.step(bn_batch(s, r))) for s in range(steps)]
+    ev = float(job.eval_step(bn_batch(99, r)))  # eval mode: normalised by the running statistics
+    writes = {n.meta["sw_writes_buffer"] for n in job.programs()[0].gm.graph.nodes if "sw_writes_buffer" in n.meta}
+    return losses, ev, job.full_state_dict(rank0_only=False), writes, job.programs()[0].capture.written_buffers
+
+
+def bn_reference(ws: int, steps: int = 3):
+    """Single-device training of ``bn_model``: each step averages the gradients of ws micro-batches,
+    each normalised by its own statistics, and the running statistics become the mean of the ws
+    micro-batches' updates from the same start (the data-parallel job's rule, runtime/executor.py)."""
+    model = bn_model()
+    opt = adamw(model.parameters())
+    bufs = {n: b for n, b in model.named_buffers()}
+    losses = []
+    for s in range(steps):
+        start = {n: b.clone() for n, b in bufs.items()}
+        after, total = [], 0.0
+        opt.zero_grad()
+        for r in range(ws):
+            with torch.no_grad():
+                for n, b in bufs.items():
+                    b.copy_(start[n])
+            loss = model(*bn_batch(s, r)) / ws
+            loss.backward()
+            total += float(loss.detach())
+            after.append({n: b.clone() for n, b in bufs.items()})
+        with torch.no_grad():
+            for n, b in bufs.items():
+                b.copy_(sum(a[n] for a in after) / ws if b.is_floating_point() else after[0][n])
+        opt.step()
+        losses.append(total)
+    model.eval()
+    with torch.no_grad():
+        ev = sum(float(model(*bn_batch(99, r))) for r in range(ws)) / ws
+    return losses, ev, model.state_dict()

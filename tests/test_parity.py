@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import harness
 from harness import check
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
@@ -82,3 +83,19 @@ def test_parity_sm_carveout_inductor(pools):
     check(pools, "moe", "zero3", "fp64", 2, steps=3, compile="inductor", matmul_sm_carveout=16,
           over=(("capacity_factor", 1.0),), loss_tol=1e-10, param_tol=1e-10)
     assert check.counts["carved"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_batchnorm_cnn_trains_with_its_running_statistics(pools, strategy):
+    """BatchNorm's running statistics and num_batches_tracked, written in place in the step, are
+    written into the job's buffers (as eager training does) and averaged over the dp ranks."""
+    losses, ev, sd, writes, written = pools(2).run(harness.bn_run, strategy)[0]
+    # the graph change: the ops that write the buffers stay in the sharded program, marked, in place
+    assert writes == {"bn1.num_batches_tracked", "bn1.running_mean", "bn2.num_batches_tracked", "bn2.running_mean"}
+    assert sorted(written) == sorted(f"bn{i}.{b}" for i in (1, 2) for b in ("num_batches_tracked", "running_mean",
+                                                                             "running_var"))
+    rl, rev, rsd = harness.bn_reference(2)
+    assert max(abs(a - b) for a, b in zip(losses, rl)) <= 1e-10 and abs(ev - rev) <= 1e-10, (losses, rl, ev, rev)
+    assert rsd.keys() == sd.keys() and sd["bn1.num_batches_tracked"] == 3
+    assert max(float((sd[k].double() - rsd[k].double()).abs().max()) for k in rsd) <= 1e-10
+    assert float((rsd["bn2.running_var"] - 1).abs().max()) > 0.05  # the statistics moved

@@ -43,6 +43,9 @@ class Capture:
     param_shapes: list[torch.Size] = field(default_factory=list)
     param_dtype: torch.dtype | None = None
     """dtype the parameters were traced with (the compute dtype)."""
+    written_buffers: list[str] = field(default_factory=list)
+    """Buffers the step writes in place (BatchNorm's running statistics and ``num_batches_tracked``):
+    the program writes them into the job's buffers as it runs (check_no_input_mutation)."""
     rank_inputs: list[str] = field(default_factory=list)
     """Inputs after the batch's whose values differ by rank (a tensor-parallel rank's indices into a
     dim it slices: passes/tp.py), named ``tp_index_<size>``; the runtime supplies them."""
@@ -224,19 +227,35 @@ def placeholder_names(cap: Capture) -> list[str]:
 
 
 def check_no_input_mutation(cap: Capture) -> None:
-    """In-place writes to a parameter, buffer or batch tensor would not be replayed per shard: refuse them."""
+    """In-place writes to a parameter or batch tensor would not be replayed per shard: refuse them.
+    A buffer written in place (BatchNorm's running statistics) is the model's own state: the op
+    writes into the job's buffer as the program runs, as it would in eager training, and the buffer
+    is recorded in ``cap.written_buffers``."""
     phs = cap.gm.graph.find_nodes(op="placeholder")
     names = dict(zip(phs, placeholder_names(cap)))
+    buffers = set(phs[cap.n_params:cap.n_params + len(cap.buffer_names)])
+    written = []
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
+        if node.target is torch.ops.aten.native_batch_norm.default and node.args[5]:
+            # its schema does not mark the running statistics it updates in training as written
+            hidden = [a for a in node.args[3:5] if a in buffers]
+            if hidden:
+                node.meta["sw_writes_buffer"] = names[hidden[0]]
+                written += [names[a] for a in hidden]
         for arg, a in zip(node.target._schema.arguments, node.args):
             if arg.alias_info is not None and arg.alias_info.is_write and a in names:
+                if a in buffers:
+                    node.meta["sw_writes_buffer"] = names[a]
+                    written.append(names[a])
+                    continue
                 raise CaptureError(
-                    f"the step writes in place to {names[a]!r} ({node.target}, node {node.name}); a mutated "
-                    "buffer or parameter is not supported yet. Return the new value from forward instead, "
-                    "or keep the statistic outside the model (e.g. use LayerNorm/RMSNorm, not BatchNorm)."
+                    f"the step writes in place to {names[a]!r} ({node.target}, node {node.name}); a parameter "
+                    "or batch tensor written in place is not supported (a rank holds only its shard of a "
+                    "parameter). Compute a new tensor instead of writing into the input."
                 )
+    cap.written_buffers = list(dict.fromkeys(written))
 
 
 def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:

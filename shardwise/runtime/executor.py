@@ -82,6 +82,23 @@ class Executor:
         self.comm_bytes += prog.sent_per_run
         return outs
 
+    def sync_buffers(self, names: list[str], group, ranks: int) -> None:
+        """The floating-point buffers a step wrote in place (BatchNorm's running statistics, each rank's
+        from its own batches) made their mean over the data-parallel ranks, so every rank holds the
+        same model; integer ones (``num_batches_tracked``) agree already."""
+        bufs = [self.buffers[n] for n in names if self.buffers[n].is_floating_point()]
+        if ranks == 1 or not bufs:
+            return
+        import torch.distributed as dist
+
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64 if b.dtype == torch.float64 else torch.float32)
+                          for b in bufs])
+        dist.all_reduce(flat, group=group)
+        flat /= ranks
+        with torch.no_grad():
+            for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
+                b.copy_(v.view_as(b))
+
     def zeros_like_inputs(self, compiled: Compiled, n: int) -> list[torch.Tensor]:
         """Zeroed running sums shaped and typed as the last ``n`` inputs of a program."""
         phs = compiled.program.gm.graph.find_nodes(op="placeholder")[-n:]
