@@ -140,6 +140,8 @@ class Compiler:
         """Programs of a plan being made again (a budget's check): kept where the new plan is the same."""
         self.recompiles_avoided = 0
         """Training programs a re-plan made again unchanged (their compiled code kept)."""
+        self.model_inputs = None
+        """What of each batch the model is called with (``JobConfig.model_inputs``)."""
         self.on_compile = None
         """Called as a compilation starts (the watchdog then allows the step longer)."""
 
@@ -230,7 +232,7 @@ class Compiler:
             self.on_compile()
 
         def first():
-            cap = capture_step(self.model, batch, loss_fn=self.loss_fn, param_dtype=self.param_dtype, train=train,
+            cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs, param_dtype=self.param_dtype, train=train,
                                with_grads=train, device=self.device)
             placements = gather = None
             if self.tp is not None:

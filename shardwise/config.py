@@ -167,6 +167,10 @@ class JobConfig:
     """None or "fx": the FX executor; "inductor": inductor's compiled code (``compile=`` of ``compile()``)."""
     loss_fn: Callable | None = None
     """``loss_fn(outputs, batch)``, where the model's forward does not return the loss."""
+    model_inputs: object = None
+    """What of each batch the model is called with (capture/trace.py ``select_inputs``): None, all of
+    it; an index or key (``0``: a classifier's ``model(x)`` of a batch ``(x, y)``, whose labels reach
+    only ``loss_fn``); several (a tuple); or a function of the batch."""
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
@@ -196,6 +200,11 @@ class JobConfig:
     and the step (runtime/watchdog.py); None: no watch."""
 
     def __post_init__(self):
+        mi = self.model_inputs
+        ok = lambda k: isinstance(k, (int, str)) and not isinstance(k, bool)  # noqa: E731
+        if not (mi is None or callable(mi) or ok(mi) or isinstance(mi, (tuple, list)) and mi and all(map(ok, mi))):
+            raise ValueError(f"model_inputs must be an index or key of the batch, a tuple of them, or a function of "
+                             f"the batch; got {mi!r}")
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
                                          or self.timeout <= 0):
             raise ValueError(f"timeout must be a number of seconds > 0, or None for no watch; got {self.timeout!r}")

@@ -38,6 +38,7 @@ def compile(
     mesh: Mesh | None = None,
     *,
     loss_fn: Callable | None = None,
+    model_inputs=None,
     mixed_precision: MixedPrecision | None = None,
     clip_grad_norm: float | None = None,
     compile: str | None = None,
@@ -69,7 +70,8 @@ def compile(
     ``optimizer`` is a factory called with ``(name, tensor)`` pairs of this rank's trainable state
     (shards under zero1-3), like ``model.named_parameters()`` yields them, so groups can be built by
     name. The model's forward must return the loss (a scalar, or an object with ``.loss``), or pass
-    ``loss_fn(outputs, batch)``. ``strategy`` is what the data-parallel axis of ``mesh`` does (ddp,
+    ``loss_fn(outputs, batch)``; ``model_inputs`` says what of the batch the model takes (``0``: a
+    classifier's ``model(x)``, its labels left to ``loss_fn``). ``strategy`` is what the data-parallel axis of ``mesh`` does (ddp,
     zero1, zero2, zero3); ``compile`` the executor (None or "fx": the FX graph op by op; "inductor").
     Every other keyword is documented where it is validated, as a field of its group in config.py:
     precision (``MixedPrecision``), buckets and the schedule (``ScheduleOptions``: ``bucket_mb``,
@@ -92,7 +94,7 @@ def compile(
         True
     """
     config = JobConfig(
-        strategy=strategy, executor=compile, loss_fn=loss_fn, mixed_precision=mixed_precision or MixedPrecision(),
+        strategy=strategy, executor=compile, loss_fn=loss_fn, model_inputs=model_inputs, mixed_precision=mixed_precision or MixedPrecision(),
         schedule=ScheduleOptions(bucket_mb=bucket_mb, shard_bucket_mb=shard_bucket_mb, schedule=schedule,
                                  max_in_flight_mb=max_in_flight_mb, max_in_flight_ops=max_in_flight_ops),
         memory=MemoryOptions(memory_budget=memory_budget, keep_gathered=keep_gathered, recompute=recompute,
@@ -163,6 +165,7 @@ class Job(Checkpointing):
         self.compiler = Compiler(model, self.strategy, self.ctx, self.agree, self.plan, dev, mp.param_dtype,
                                  config.loss_fn, inductor=config.executor == "inductor", tp=self.tp,
                                  on_tp_plan=self._shard_tp)
+        self.compiler.model_inputs = config.model_inputs
         self.compiler.on_compile = self.watchdog.compile_started if self.watchdog else None
         self.node_times: dict[tuple, dict[str, float]] = {}
         """Measured seconds per node of a program (``profile_compute``), by (batch signature, mode)."""

@@ -203,3 +203,32 @@ def test_a_loop_of_ones_own_over_the_jobs_model_is_refused_not_trained_wrong(poo
         assert "job.step(batch)" in msg and "job.step(batch)" in omsg
         assert ("drift apart" if strategy == "ddp" else "holds no weights") in msg, msg
         assert drift == 0.0
+
+
+def test_a_classifier_that_takes_only_the_inputs_trains_with_model_inputs():
+    """The batch is (x, y) and forward takes x: called with the whole batch it is a CaptureError that
+    says what to pass; with model_inputs=0 it trains as single-device training does (fp64, exact)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    ref = copy.deepcopy(model)
+    loss_fn = lambda out, b: nn.functional.cross_entropy(out, b[1])  # noqa: E731
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.raises(CaptureError, match=r"takes 2 positional arguments.*model_inputs=0 for a batch \(x, y\)"):
+        job_for(copy.deepcopy(model), loss_fn=loss_fn).step((x, y))
+    with pytest.raises(CaptureError, match=r"model_inputs=2: the batch has no 2 \(it has 2 elements\)"):
+        job_for(copy.deepcopy(model), loss_fn=loss_fn, model_inputs=2).step((x, y))
+    with pytest.raises(ValueError, match="model_inputs must be an index or key"):
+        job_for(copy.deepcopy(model), loss_fn=loss_fn, model_inputs=1.5)
+    job = job_for(model, loss_fn=loss_fn, model_inputs=0, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(4, 6, dtype=torch.float64, generator=g), torch.randint(0, 3, (4,), generator=g)
+        got = float(job.step((x, y)))
+        opt.zero_grad()
+        want = loss_fn(ref(x), (x, y))
+        want.backward()
+        opt.step()
+        assert got == float(want.detach())

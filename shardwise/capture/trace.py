@@ -78,6 +78,31 @@ def batch_signature(spec, consts, tensors: list[torch.Tensor] | None) -> str:
     return "|".join(parts)
 
 
+def select_inputs(batch, which):
+    """What of ``batch`` the model is called with (``model_inputs=``): all of it (None), the element at
+    an index or key (``0``, ``"pixel_values"``), the elements at several (``(0, 1)``, passed as
+    positional arguments; keys as keyword arguments), or what a function of the batch returns."""
+    if which is None:
+        return batch
+    if callable(which):
+        return which(batch)
+
+    def pick(k):
+        try:
+            return batch[k]
+        except (IndexError, KeyError, TypeError):
+            have = list(batch.keys()) if isinstance(batch, dict) else (
+                f"{len(batch)} elements" if isinstance(batch, (tuple, list)) else type(batch).__name__)
+            raise CaptureError(f"model_inputs={which!r}: the batch has no {k!r} (it has {have}); give indices "
+                               "or keys of the batch, or a function batch -> model inputs") from None
+
+    if isinstance(which, (tuple, list)):
+        if all(isinstance(k, str) for k in which):
+            return {k: pick(k) for k in which}
+        return tuple(pick(k) for k in which)
+    return (pick(which),)
+
+
 def call_model(model: nn.Module, batch):
     """Call the model the way DESIGN.md promises: ``model(**batch)`` for a dict, ``model(*batch)`` else."""
     if isinstance(batch, dict):
@@ -126,6 +151,7 @@ def capture_step(
     batch,
     *,
     loss_fn: Callable | None = None,
+    model_inputs=None,
     param_dtype: torch.dtype | None = None,
     train: bool = True,
     with_grads: bool = True,
@@ -163,7 +189,7 @@ def capture_step(
         from ..runtime.guard import tracing
 
         with _reparametrize_module(model, state, tie_weights=True), tracing():
-            out = call_model(model, b)
+            out = call_model(model, select_inputs(b, model_inputs))
             loss = extract_loss(out, b, loss_fn)
             if not with_grads:
                 return [loss]
@@ -200,6 +226,10 @@ def capture_step(
                 hint = (" Data-dependent shapes (nonzero, boolean masks, .item() in control flow) cannot be traced "
                         "to one static graph; rewrite the construct with static shapes (built-in MoE layers are "
                         "dropless, or dispatch to a fixed capacity, for this reason).") if data_dependent else ""
+                if isinstance(e, TypeError) and "forward()" in str(e) and model_inputs is None:
+                    hint = (" The model is called with the whole batch (model(*batch), or model(**batch) for a dict); "
+                            "if its forward takes only part of it, say which: model_inputs=0 for a batch (x, y), with "
+                            "loss_fn=(outputs, batch) -> loss to reach the labels.")
                 raise CaptureError(
                     f"cannot trace {type(model).__name__}'s training step whole: {type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''} — at {_user_frame(e)}.{hint}"

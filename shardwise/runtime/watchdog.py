@@ -45,7 +45,7 @@ class Watchdog:
         self.status = {"job": 0, "seq": 0, "what": "start", "n": 0, "state": "done", "error": None}
         self.seq = 0
         """Phases this rank has begun: ranks that call the jobs alike are in phases of the same number."""
-        self.since = time.monotonic()
+        self.since = self.posted = time.monotonic()
         self.limit: float | None = None
         self.compiling = False
         self._wake = threading.Event()
@@ -59,10 +59,12 @@ class Watchdog:
             self.seq += 1
             self.status = {"job": job, "seq": self.seq, "what": what, "n": n, "state": "in", "error": None}
             self.since, self.limit, self.compiling = time.monotonic(), limit, False
-        try:  # posted now (one small store write): a rank that stops in this phase is reported in it
-            self._post()
-        except Exception:  # noqa: BLE001 - the store's host is gone: the phase's limit will tell
-            pass
+        if time.monotonic() - self.posted > self.beat / 2:
+            try:  # posted now (one small store write), so a rank that stops in this phase is reported
+                # in it; steps faster than half a beat are posted by the beats
+                self._post()
+            except Exception:  # noqa: BLE001 - the store's host is gone: the phase's limit will tell
+                pass
 
     def end(self) -> None:
         with self.lock:
@@ -90,6 +92,7 @@ class Watchdog:
     def _post(self) -> None:
         with self.lock:
             text = json.dumps({**self.status, "beat": time.time()})
+        self.posted = time.monotonic()
         self.store.set(f"rank/{self.rank}", text)
 
     def _run(self) -> None:
@@ -100,8 +103,8 @@ class Watchdog:
                 pass
             with self.lock:
                 st, limit, since, compiling = dict(self.status), self.limit, self.since, self.compiling
-            if st["state"] != "in":
-                continue
+            if st["state"] != "in" or time.monotonic() - since < 2 * self.beat:
+                continue  # reads of the store only once this rank has waited a while
             failed = self._read(f"failed/{st['seq']}", wait=False)
             if failed is not None and int(failed) != self.rank and self._still_in(st):
                 other = self._statuses().get(int(failed)) or {}
