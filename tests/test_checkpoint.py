@@ -102,3 +102,42 @@ def test_bad_checkpoints_are_refused_by_name(pools, tmp_path):
     assert "corrupt" in refused(path)
     os.remove(os.path.join(path, ".metadata"))  # a save that stopped before its metadata
     assert "partial" in refused(path)
+
+
+class FusedQKV(torch.nn.Module):
+    """A fused q/k/v weight that its state_dict hook saves as three (as HF conversions do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(8, 24, bias=False), torch.nn.Linear(8, 1)
+        self._register_state_dict_hook(FusedQKV.split)
+
+    @staticmethod
+    def split(mod, sd, prefix, local):
+        for n, part in zip("qkv", sd.pop(prefix + "qkv.weight").chunk(3)):
+            sd[prefix + n + ".weight"] = part
+        return sd
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.out(q * k + v).pow(2).mean()
+
+
+def test_a_model_whose_state_dict_runs_hooks_exports_and_checkpoints_under_zero3(tmp_path):
+    """Once full_state_dict ran the module's hooks on its meta tensors ("Cannot copy out of meta tensor")."""
+    import copy
+
+    import shardwise as sw
+
+    torch.manual_seed(0)
+    model = FusedQKV()
+    ref = copy.deepcopy(model)
+    job = sw.compile(model, strategy="zero3", mesh=sw.mesh(dp=1))
+    sd, want = job.full_state_dict(), ref.state_dict()
+    assert sorted(sd) == ["k.weight", "out.bias", "out.weight", "q.weight", "v.weight"]
+    assert all(torch.equal(sd[k], want[k]) for k in want)
+    job.step(torch.randn(2, 8))
+    job.save(str(tmp_path / "ck"))
+    again = sw.compile(copy.deepcopy(ref), strategy="zero3", mesh=sw.mesh(dp=1))
+    assert again.load(str(tmp_path / "ck"))["steps"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(again.full_state_dict().values(), job.full_state_dict().values()))

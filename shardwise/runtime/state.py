@@ -250,21 +250,22 @@ class ShardedState:
         """The whole model's weights and persistent buffers, keyed as ``model.state_dict()``, on the CPU
         (``{}`` where not ``keep``). A collective: parameters are gathered one at a time, so the whole
         model is never on one device."""
-        canonical = {id(p): n for n, p in model.named_parameters()}
-        out: dict[str, torch.Tensor] = {}
-        gathered: dict[str, torch.Tensor] = {}
-        for key, t in model.state_dict(keep_vars=True).items():
-            name = canonical.get(id(t))
-            if name is None:
-                if keep:
-                    out[key] = t.detach().cpu().clone()
-                continue
-            if name not in gathered:
-                full = self.gather_full(name, group, ranks)
-                gathered[name] = full.cpu().clone() if keep else full
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        whole: dict[str, torch.Tensor] = {}
+        for name, _ in model.named_parameters():  # tied parameters once
+            full = self.gather_full(name, group, ranks)
             if keep:
-                out[key] = gathered[name]
-        return out
+                whole[name] = full.cpu().clone()
+        if not keep:
+            return {}
+        # the module's own state_dict over the whole weights, so that its hooks (a fused weight saved
+        # as parts, renamed keys) run on real tensors, not on the meta ones a zero3 module holds
+        with _reparametrize_module(model, whole, tie_weights=True):
+            sd = model.state_dict()
+        ours = {w.untyped_storage().data_ptr() for w in whole.values()}  # gathered copies: no second copy
+        return {k: v if v.device.type == "cpu" and v.untyped_storage().data_ptr() in ours else v.detach().cpu().clone()
+                for k, v in sd.items()}
 
     @torch.no_grad()
     def gather_full(self, name: str, group: dist.ProcessGroup, ranks: int) -> torch.Tensor:
