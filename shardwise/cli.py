@@ -537,6 +537,8 @@ def train_main(args) -> None:
                 extra += f"  pred_step {pred_ms:.1f} ms"
             if exposed is not None:
                 extra += f"  exposed_comm {exposed:.0f}% @step {exposed_step}"
+            if job.last_compiles:
+                extra += f"  compiled a program for this batch shape ({sum(c[2] for c in job.last_compiles):.1f} s)"
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
                   f"{dt * 1e3:7.1f} ms{mem}  sent/rank {size_text(job.last_comm_bytes)}{extra}",
                   flush=True)

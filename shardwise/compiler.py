@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import time
+import warnings
 
 from .capture import batch_signature, capture_step, flatten_batch
 from .config import JobConfig
@@ -140,6 +142,8 @@ class Compiler:
         """Programs of a plan being made again (a budget's check): kept where the new plan is the same."""
         self.recompiles_avoided = 0
         """Training programs a re-plan made again unchanged (their compiled code kept)."""
+        self.compiles: list[tuple[str, str, float]] = []
+        """Each compilation: (batch signature, mode, seconds it took on this rank)."""
         self.model_inputs = None
         """What of each batch the model is called with (``JobConfig.model_inputs``)."""
         self.on_compile = None
@@ -153,8 +157,23 @@ class Compiler:
         self.agree.same(sig, "batch")
         key = (sig, mode)
         if key not in self.programs:
+            t0 = time.perf_counter()
             self._compile(key, batch, tensors, mode)
+            self.compiles.append((sig, mode, time.perf_counter() - t0))
+            self._warn_shapes()
         return self.programs[key]
+
+    def _warn_shapes(self) -> None:
+        """Each new batch shape compiles a program: at 4 shapes, and at each doubling, say what it costs."""
+        shapes = {sig for sig, mode, _ in self.compiles if mode != "eval"}
+        n = len(shapes)
+        if n >= 4 and n & (n - 1) == 0 and self.compiles[-1][1] != "eval":
+            spent = sum(s for *_, s in self.compiles)
+            warnings.warn(
+                f"{n} batch shapes compiled so far, {spent:.1f} s of compiling ({self.compiles[-1][2]:.1f} s the "
+                "last): every new shape traces, plans and compiles a program of its own. Keep shapes fixed (pad "
+                "sequences to one length, drop the last partial batch) or bucket lengths into a few sizes",
+                stacklevel=4)
 
     def cached(self, batch, mode: str) -> Compiled:
         """An existing program without the per-step agreement (so introspection on one rank cannot

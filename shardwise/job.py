@@ -15,17 +15,18 @@ from .compiler import Compiler, batch_key, pass_context, tensor_parallel_axis
 from .config import JobConfig, MemoryOptions, MixedPrecision, OffloadOptions, ScheduleOptions, UpdateOptions
 from .costmodel import CostModel
 from .errors import MeshError
+from .held import Held
 from .passes import Program
 from .passes.zero import layouts_for
 from .runtime.agree import Agreement
 from .runtime.checkpoint import Checkpointing
 from .runtime.executor import Compiled, Executor
+from .runtime.guard import install, stepping
 from .runtime.mesh import Mesh
 from .runtime.mesh import mesh as make_mesh
 from .runtime.state import ShardedState
 from .runtime.update import Updater
-from .runtime.guard import install, stepping
-from .runtime.watchdog import watched, watchdog
+from .runtime.watchdog import watchdog, watched
 
 _JOBS = iter(range(1, 1 << 62))
 """Job numbers of this process: the same on every rank that builds its jobs alike."""
@@ -116,9 +117,10 @@ def compile(
     return Job(model, optimizer, mesh if mesh is not None else make_mesh(), config)
 
 
-class Job(Checkpointing):
+class Job(Checkpointing, Held):
     """A compiled training job. Build it with :func:`shardwise.compile`. Checkpoints: ``save``, ``load``,
-    ``state_dict``, ``load_state_dict`` (runtime/checkpoint.py ``Checkpointing``)."""
+    ``state_dict``, ``load_state_dict`` (runtime/checkpoint.py ``Checkpointing``); what it holds and has
+    learned: ``optimizer``, ``replans``, ``last_grad_norm``, ... (held.py ``Held``)."""
 
     def __init__(self, model: nn.Module, optimizer: Callable, mesh: Mesh, config: JobConfig):
         for axis, n in mesh.shape.items():
@@ -172,6 +174,8 @@ class Job(Checkpointing):
         self.last_comm_bytes = 0
         """Bytes this rank sent in the last step."""
         self.last_step_s: float | None = None
+        self.last_compiles: list[tuple[str, str, float]] = []
+        """What the last step compiled (a new batch shape): (signature, mode, seconds) each."""
 
     def _shard_tp(self, placements: dict, gather: str) -> None:
         """The tensor-parallel plan is known (from the first captured step): the state is made again
@@ -227,7 +231,7 @@ class Job(Checkpointing):
         micro = batch if isinstance(batch, list) else [batch]
         if not micro:
             raise ValueError("step([]) got no micro-batches")
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), len(self.compiler.compiles)
         self.executor.comm_bytes = 0
         loss, grads = self.executor.forward_backward(micro, self.compiler.get, self.config.whole_grads)
         first = next(iter(self.compiler.programs.values())).program
@@ -236,6 +240,7 @@ class Job(Checkpointing):
         sent = self.updater.step(dict(zip(self.state.grad_names, grads)), first)
         self.last_comm_bytes = self.executor.comm_bytes + sent
         self.last_step_s = time.perf_counter() - t0
+        self.last_compiles = self.compiler.compiles[compiled:]
         self.steps += 1
         return loss.detach()
 
@@ -354,64 +359,3 @@ class Job(Checkpointing):
         from .report import explain
 
         return explain(self)
-
-    # -- what the job holds and has learned ----------------------------------------------------
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer over this rank's trainable state (shards under zero1-3)."""
-        return self.state.optimizer
-
-    @property
-    def ctrl(self) -> dist.ProcessGroup:
-        """The gloo group of the job's ranks that control messages travel on."""
-        return self.agree.ctrl
-
-    @property
-    def memory_budget(self) -> int | None:
-        return self.plan.budget
-
-    @property
-    def replans(self) -> list[dict]:
-        """Each time a measured step contradicted the memory plan: its step, predicted and measured peaks."""
-        return self.plan.replans
-
-    @property
-    def replan_at(self) -> int:
-        """The step whose measured peak checks a budgeted plan (default 2)."""
-        return self.plan.replan_at
-
-    @replan_at.setter
-    def replan_at(self, step: int) -> None:
-        self.plan.replan_at = step
-
-    @property
-    def recompiles_avoided(self) -> int:
-        return self.compiler.recompiles_avoided
-
-    @property
-    def residency_peak(self) -> int | None:
-        """Offload on CUDA: the measured peak of the first steps that decided what state stays on the device."""
-        return self.plan.residency_peak
-
-    @property
-    def time_optimizer(self) -> bool:
-        """Time the optimizer phase of each step (syncs the GPU); ``last_optimizer_s`` then holds it."""
-        return self.updater.timed
-
-    @time_optimizer.setter
-    def time_optimizer(self, on: bool) -> None:
-        self.updater.timed = on
-
-    @property
-    def last_optimizer_s(self) -> float | None:
-        return self.updater.last_s
-
-    @last_optimizer_s.setter
-    def last_optimizer_s(self, s: float | None) -> None:
-        self.updater.last_s = s
-
-    @property
-    def last_grad_norm(self) -> torch.Tensor | None:
-        """With ``clip_grad_norm``: the global gradient norm of the last step, before clipping."""
-        return self.updater.last_grad_norm

@@ -232,3 +232,16 @@ def test_a_classifier_that_takes_only_the_inputs_trains_with_model_inputs():
         want.backward()
         opt.step()
         assert got == float(want.detach())
+
+
+def test_new_batch_shapes_are_announced_and_warned_about_after_a_few():
+    job = job_for(harness.make_model("gpt", "fp32"), strategy="zero3")
+    seen = []
+    with pytest.warns(UserWarning, match=r"4 batch shapes compiled so far, [\d.]+ s of compiling .*pad sequences "
+                                         r"to one length.*bucket lengths") as got:
+        for seq in (16, 16, 8, 12, 4, 16):
+            x = torch.randint(0, 64, (2, seq))
+            job.step((x, x))
+            seen.append(len(job.last_compiles))
+    assert seen == [1, 0, 1, 1, 1, 0]
+    assert sum("batch shapes compiled" in str(w.message) for w in got) == 1
