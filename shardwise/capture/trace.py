@@ -12,6 +12,8 @@ activation checkpointing.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -76,6 +78,20 @@ def batch_signature(spec, consts, tensors: list[torch.Tensor] | None) -> str:
     if tensors is not None:
         parts += [f"{tuple(t.shape)}:{t.dtype}" for t in tensors]
     return "|".join(parts)
+
+
+TRACING = contextvars.ContextVar("shardwise_tracing", default=False)
+"""True while shardwise itself calls the model (capture traces it on fake tensors): the guard on
+``job.model`` (runtime/guard.py) lets these calls through."""
+
+
+@contextlib.contextmanager
+def tracing():
+    token = TRACING.set(True)
+    try:
+        yield
+    finally:
+        TRACING.reset(token)
 
 
 def select_inputs(batch, which):
@@ -186,8 +202,6 @@ def capture_step(
         b = pytree.tree_unflatten(leaves, spec)
         state = dict(zip(pnames, p_in))
         state.update(zip(bnames, b_in))
-        from ..runtime.guard import tracing
-
         with _reparametrize_module(model, state, tie_weights=True), tracing():
             out = call_model(model, select_inputs(b, model_inputs))
             loss = extract_loss(out, b, loss_fn)

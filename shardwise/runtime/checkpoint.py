@@ -287,10 +287,11 @@ class PendingSave:
     """A save whose files are still being written on a thread (``save(..., blocking=False)``).
     ``wait()`` returns the path once rank 0 has published it (every rank's files are written then)."""
 
-    def __init__(self, future, tmp: str, path: str, publish: bool, stall_s: float):
+    def __init__(self, future, tmp: str, path: str, publish: bool, stall_s: float, staged=None):
         self.path, self.stall_s, self.error = path, stall_s, None
-        """``stall_s``: how long the caller waited (the copy of the state to host memory)."""
-        self._future = future
+        """``stall_s``: how long the caller waited (planning; the copy to host memory where not overlapped)."""
+        self._future, self.staged = future, staged
+        """``staged``: done once the state is copied to host memory (the next update waits for it)."""
         if publish:
             future.add_done_callback(lambda f: self._publish(f, tmp))
 
@@ -309,6 +310,71 @@ class PendingSave:
         if self.error is not None:
             raise self.error
         return self.path
+
+
+class HostStager:
+    """DCP's ``AsyncStager`` for a job: this rank's pieces copied into host buffers kept across saves
+    (pinned on CUDA, copied on a stream of their own, so the copy overlaps the next step's forward and
+    backward; the update waits for it, ``wait_staged``). DCP's own stagers deep-copy the state each
+    save, synchronously, and torch 2.11's cannot copy a DTensor."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host: dict[str, torch.Tensor] = {}
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pool = None
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+    def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self.host.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+        return buf.copy_(t, non_blocking=self.cuda)
+
+    def _stage(self, obj, key: str = ""):
+        if isinstance(obj, dict):
+            return {k: self._stage(v, f"{key}.{k}") for k, v in obj.items()}
+        if isinstance(obj, DTensor):
+            return DTensor.from_local(self._copy(key, obj.to_local()), obj.device_mesh, obj.placements,
+                                      run_check=False, shape=obj.shape, stride=obj.stride())
+        if isinstance(obj, torch.Tensor):
+            return self._copy(key, obj)
+        return obj
+
+    def stage(self, state_dict: dict):
+        if not self.cuda:
+            return self._stage(state_dict)  # host to host: copied before the step goes on
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            staged = self._stage(state_dict)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardwise-stage")
+        return self.pool.submit(lambda: (done.synchronize(), staged)[1])
+
+
+def wait_staged(job) -> None:
+    """Before the state changes (the update; a forward that writes buffers): the last async save's
+    copy to host memory is complete."""
+    pending = getattr(job, "_pending_save", None)
+    if pending is not None and pending.staged is not None:
+        pending.staged.result()
+        pending.staged = None
 
 
 def wait_saves(job) -> None:
@@ -339,8 +405,12 @@ def save(job, path: str, extra: dict | None = None, blocking: bool = True):
     if not blocking:
         if getattr(job, "_save_group", None) is None:  # DCP's own collectives, off the step's groups
             job._save_group = dist.new_group(backend="gloo")
-        fut = dcp.async_save(sd, checkpoint_id=tmp, process_group=job._save_group)
-        job._pending_save = PendingSave(fut, tmp, path, rank == 0, time.perf_counter() - t0)
+            job._stager = HostStager(job.mesh.device)
+        fut = dcp.async_save(sd, checkpoint_id=tmp, process_group=job._save_group, async_stager=job._stager)
+        staged = None
+        if hasattr(fut, "upload_completion"):  # staged on a thread: the step goes on meanwhile
+            fut, staged = fut.upload_completion, fut.staging_completion
+        job._pending_save = PendingSave(fut, tmp, path, rank == 0, time.perf_counter() - t0, staged)
         return job._pending_save
     dcp.save(sd, checkpoint_id=tmp)
     dist.barrier(job.ctrl)  # every rank's pieces and the metadata written

@@ -14,25 +14,12 @@ apart with no error) or would fail deep in a kernel (zero3: "Tensor on device me
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 import torch.nn as nn
 
+from ..capture.trace import TRACING
 from ..errors import OutsideStepError
-
-TRACING = contextvars.ContextVar("shardwise_tracing", default=False)
-"""True while shardwise itself calls the model (capture traces it on fake tensors)."""
-
-
-@contextlib.contextmanager
-def tracing():
-    token = TRACING.set(True)
-    try:
-        yield
-    finally:
-        TRACING.reset(token)
-
 
 def _model_hook(job):
     def check(module: nn.Module, args, kwargs):
