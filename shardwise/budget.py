@@ -123,7 +123,8 @@ class MemoryPlan:
         if measured <= self.budget and abs(measured - predicted) <= 0.10 * predicted:
             return False
         self.slack = max(0, measured - predicted)
-        self.replans.append({"step": steps, "predicted": predicted, "measured": measured, "held_back": self.slack})
+        self.replans.append({"step": steps, "predicted": predicted, "measured": measured, "held_back": self.slack,
+                             "over_budget": measured > self.budget, "budget": self.budget})
         return True
 
     # -- optimizer state's residency under offload ----------------------------------------------

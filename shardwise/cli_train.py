@@ -250,6 +250,9 @@ def train_main(args) -> None:
                 extra += f"  pred_step {pred_ms:.1f} ms"
             if exposed is not None:
                 extra += f"  exposed_comm {exposed:.0f}% @step {exposed_step}"
+            top = max(int(p) for p in allp)
+            if job.memory_budget is not None and peak_step == step + 1 and top > job.memory_budget:
+                extra += f"  peak over the budget: {size_text(top)} > {size_text(job.memory_budget)}"
             if job.last_compiles:
                 extra += f"  compiled a program for this batch shape ({sum(c[2] for c in job.last_compiles):.1f} s)"
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
@@ -257,7 +260,8 @@ def train_main(args) -> None:
                   flush=True)
         if rank == 0 and job.replans and job.replans[-1]["step"] == step + 1:
             r = job.replans[-1]
-            print(f"re-plan after step {step + 1}: measured peak {size_text(r['measured'])} vs predicted "
+            over = f", over the budget of {size_text(r['budget'])}" if r["over_budget"] else ""
+            print(f"re-plan after step {step + 1}: measured peak {size_text(r['measured'])}{over} vs predicted "
                   f"{size_text(r['predicted'])}; holding back {size_text(r['held_back'])}", flush=True)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             # held-out batches: indices no training step draws

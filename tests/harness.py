@@ -938,3 +938,66 @@ def bn_reference(ws: int, steps: int = 3):
     with torch.no_grad():
         ev = sum(float(model(*bn_batch(99, r))) for r in range(ws)) / ws
     return losses, ev, model.state_dict()
+
+
+class RandomNet(torch.nn.Module):
+    """A small model drawn by hypothesis (``spec``): an embedding, ``widths`` linear layers with an
+    activation, optionally a dense two-expert mixture (gated, no data-dependent routing), a head tied
+    to the embedding or not, and one frozen layer or none."""
+
+    def __init__(self, spec):
+        super().__init__()
+        widths, act, tied, frozen, moe = spec
+        nn = torch.nn
+        self.act = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh,
+                    "silu": torch.nn.functional.silu}[act]
+        dims = [widths[0], *widths] + ([widths[0]] if tied and widths[-1] != widths[0] else [])
+        self.emb = nn.Embedding(16, dims[0])
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.moe = None
+        if moe:
+            self.gate = nn.Linear(dims[-1], 2)
+            self.moe = nn.ModuleList(nn.Linear(dims[-1], dims[-1]) for _ in range(2))
+        self.head = nn.Linear(dims[-1], 16, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        if frozen >= 0:
+            self.layers[frozen % len(self.layers)].requires_grad_(False)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for lin in self.layers:
+            h = self.act(lin(h))
+        if self.moe is not None:
+            w = torch.softmax(self.gate(h), -1)
+            h = h + sum(w[..., i:i + 1] * e(h) for i, e in enumerate(self.moe))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def random_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(step * 31 + rank)
+    return torch.randint(0, 16, (2, 5), generator=g), torch.randint(0, 16, (2, 5), generator=g)
+
+
+def random_run(spec, strategy: str, steps: int = 2):
+    torch.manual_seed(0)
+    job = sw.compile(RandomNet(spec).double(), optimizer=adamw, strategy=strategy, mesh=sw.mesh())
+    losses = [float(job.step(random_batch(s, dist.get_rank()))) for s in range(steps)]
+    return losses, job.full_state_dict()
+
+
+def random_reference(spec, ws: int, steps: int = 2):
+    torch.manual_seed(0)
+    model = RandomNet(spec).double()
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for r in range(ws):
+            loss = model(*random_batch(s, r)) / ws
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses, model.state_dict()

@@ -124,6 +124,7 @@ def test_a_plan_the_measurement_contradicts_is_made_again_on_every_rank(pools):
     assert replans == replans1 and len(replans) == 1
     r = replans[0]
     assert r["held_back"] == r["measured"] - r["predicted"] > 0
+    assert r["over_budget"] and r["budget"] == budget < r["measured"]  # announced, not only fixed
     assert len(before) == len(names) and 0 < len(after) < len(before)
     assert peak <= budget
 
