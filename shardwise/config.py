@@ -195,9 +195,10 @@ class JobConfig:
     """Megatron's plan: the untied LM head cut by classes (True), whole (False), or whichever the cost
     model predicts faster (None; passes/tp.py ``head_choice``)."""
     timeout: float | None = 100.0
-    """Seconds a step (or eval, save, load) may wait on other ranks; six times that while it compiles.
-    A rank that waits longer leaves with a message naming the rank that failed, stalled or is elsewhere
-    and the step (runtime/watchdog.py); None: no watch."""
+    """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load
+    or export is watched for a rank that raises, not for time). A rank that waits
+    longer leaves with a message naming the rank that failed, stalled or is elsewhere and the step
+    (runtime/watchdog.py); None: no watch."""
 
     def __post_init__(self):
         mi = self.model_inputs

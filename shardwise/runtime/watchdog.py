@@ -215,7 +215,9 @@ def watched(job, what: str):
         yield  # no watch, or a phase within one (a save's state_dict, a step's measurement)
         return
     n = job.steps + (what == "step")
-    dog.begin(job.watch_id, what, n, job.config.timeout)
+    # steps and evals are held to the timeout; a save, load or export takes as long as its bytes do
+    # (a large model's blocking save, minutes): watched for a rank that raises, not for time
+    dog.begin(job.watch_id, what, n, job.config.timeout if what in ("step", "eval") else None)
     job.agree.doing = {"step": f"job.step (step {n})", "eval": f"job.eval_step (after step {n})"}.get(what, "")
     try:
         yield
