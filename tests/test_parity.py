@@ -12,8 +12,7 @@ STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 # every strategy and model on 2 ranks; 1 and 4 ranks for each strategy on one model each (the suite
 # keeps to its time on 2 cores; tests/test_random_models.py draws further models)
 FP64 = [(s, n, 2) for s in STRATEGIES for n in ("gpt", "llama", "moe")] + \
-    [("ddp", "moe", 4), ("zero1", "gpt", 4), ("zero2", "llama", 4), ("zero3", "moe", 4), ("zero3", "gpt", 1),
-     ("ddp", "llama", 1)]
+    [("ddp", "moe", 4), ("zero2", "llama", 4), ("zero3", "moe", 4), ("zero3", "gpt", 1)]
 
 
 @pytest.mark.parametrize("strategy, name, ws", FP64)
@@ -22,7 +21,7 @@ def test_parity_fp64(pools, strategy, name, ws):
 
 
 @pytest.mark.parametrize("strategy, name, ws", [(s, "llama", 2) for s in STRATEGIES] +
-                         [("zero3", "gpt", 4), ("ddp", "gpt", 4), ("zero1", "llama", 4)])
+                         [("zero3", "gpt", 4)])
 def test_parity_fp32_20_steps(pools, strategy, name, ws):
     # MoE is held to fp64 only: near-ties flip top-2 routing under fp32 rounding. GPT runs without
     # biases here: its key bias has a gradient that is exactly zero in exact arithmetic (softmax
@@ -55,8 +54,8 @@ def test_parity_inductor(pools, strategy):
 
 
 @pytest.mark.parametrize("strategy, name, ws, micro",
-                         [(s, n, 2, 3) for s in ("zero1", "zero2", "zero3") for n in ("gpt", "llama", "moe")] +
-                         [("zero3", "llama", 4, 1), ("zero2", "moe", 4, 1), ("zero1", "gpt", 4, 3)])
+                         [("zero1", "gpt", 2, 3), ("zero1", "moe", 2, 1), ("zero2", "llama", 2, 3), ("zero2", "moe", 2, 3),
+                          ("zero3", "gpt", 2, 3), ("zero3", "moe", 2, 3), ("zero3", "llama", 4, 1), ("zero2", "gpt", 4, 3)])
 def test_parity_bucketed(pools, strategy, name, ws, micro):
     # buckets of twice the largest parameter (shard_bucket_mb=None), with and without accumulation
     check(pools, name, strategy, "fp64", ws, steps=3, micro=micro, shard_bucket_mb=None, loss_tol=1e-10,

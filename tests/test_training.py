@@ -28,7 +28,7 @@ def test_ranks_start_from_rank0_weights(pools, strategy):
     check(pools, "gpt", strategy, "fp64", 2, steps=2, seed="rank", loss_tol=1e-10, param_tol=1e-10)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])  # zero1 and zero3: test_parity.py's bucketed cases
 def test_gradient_accumulation_over_micro_batches(pools, strategy):
     check(pools, "gpt", strategy, "fp64", 2, steps=3, micro=3, loss_tol=1e-10, param_tol=1e-10)
 
