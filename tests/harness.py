@@ -826,12 +826,11 @@ def ckpt_run(strategy: str, path: str, steps: int, save_at: int | None = None, r
 
 def hang_run(case: str, timeout: float = 3.0, steps: int = 3):
     """The tiny Llama on this pool's ranks with a test-short ``timeout``, rank 1 misbehaving at the
-    last step: "stop" (SIGSTOP a moment into it), "fewer" (rank 1 takes one step fewer), "raise" (its
-    update raises), "eval" (rank 1 calls eval_step where rank 0 steps). Returns the losses of the
+    last step: "stop" (SIGSTOP inside it), "fewer" (rank 1 takes one step fewer), "raise" (its
+    forward raises), "eval" (rank 1 calls eval_step where rank 0 steps). Returns the losses of the
     rank that got through."""
     import os
     import signal
-    import threading
 
     job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(), timeout=timeout)
     r = dist.get_rank()
@@ -841,8 +840,13 @@ def hang_run(case: str, timeout: float = 3.0, steps: int = 3):
         last = s == steps - 1 and r == 1
         if last and case == "fewer":
             break
-        if last and case == "stop":
-            threading.Timer(0.005, lambda: os.kill(os.getpid(), signal.SIGSTOP)).start()
+        if last and case == "stop":  # inside the step, before its first collective
+            run = job.executor.forward_backward
+
+            def stopped(*a, **k):
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return run(*a, **k)
+            job.executor.forward_backward = stopped
         if last and case == "raise":  # before the step's first collective
             def broken(*a, **k):
                 raise OSError("no space left on device (a test's)")

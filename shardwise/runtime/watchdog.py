@@ -59,12 +59,11 @@ class Watchdog:
             self.seq += 1
             self.status = {"job": job, "seq": self.seq, "what": what, "n": n, "state": "in", "error": None}
             self.since, self.limit, self.compiling = time.monotonic(), limit, False
-        if time.monotonic() - self.posted > self.beat / 2:
-            try:  # posted now (one small store write), so a rank that stops in this phase is reported
-                # in it; steps faster than half a beat are posted by the beats
-                self._post()
-            except Exception:  # noqa: BLE001 - the store's host is gone: the phase's limit will tell
-                pass
+        try:  # posted now (one small store write, tens of microseconds), so that a rank that stops
+            # in this phase is reported in it
+            self._post()
+        except Exception:  # noqa: BLE001 - the store's host is gone: the phase's limit will tell
+            pass
 
     def end(self) -> None:
         with self.lock:
