@@ -142,6 +142,8 @@ class Compiler:
         """Programs of a plan being made again (a budget's check): kept where the new plan is the same."""
         self.recompiles_avoided = 0
         """Training programs a re-plan made again unchanged (their compiled code kept)."""
+        self.written: set[str] = set()
+        """Buffers the compiled programs write in place (BatchNorm's statistics): their captures' own."""
         self.compiles: list[tuple[str, str, float]] = []
         """Each compilation: (batch signature, mode, seconds it took on this rank)."""
         self.model_inputs = None
@@ -159,6 +161,7 @@ class Compiler:
         if key not in self.programs:
             t0 = time.perf_counter()
             self._compile(key, batch, tensors, mode)
+            self.written.update(self.programs[key].program.capture.written_buffers)
             self.compiles.append((sig, mode, time.perf_counter() - t0))
             self._warn_shapes()
         return self.programs[key]
@@ -251,8 +254,8 @@ class Compiler:
             self.on_compile()
 
         def first():
-            cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs, param_dtype=self.param_dtype, train=train,
-                               with_grads=train, device=self.device)
+            cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
+                               param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device)
             placements = gather = None
             if self.tp is not None:
                 cap, placements, gather = self._partition(cap)

@@ -233,22 +233,18 @@ class Job(Checkpointing, Held):
             raise ValueError("step([]) got no micro-batches")
         t0, compiled = time.perf_counter(), len(self.compiler.compiles)
         self.executor.comm_bytes = 0
-        if self._written():
-            wait_staged(self)  # the forward writes buffers an async save may still be copying
+        if self.compiler.written or not self.compiler.programs:
+            wait_staged(self)  # the forward writes (or, compiled now, may write) buffers a save is copying
         loss, grads = self.executor.forward_backward(micro, self.compiler.get, self.config.whole_grads)
         first = next(iter(self.compiler.programs.values())).program
         wait_staged(self)
-        self.executor.sync_buffers(self._written(), self.group, self.mesh.dp)
+        self.executor.sync_buffers(sorted(self.compiler.written), self.group, self.mesh.dp)
         sent = self.updater.step(dict(zip(self.state.grad_names, grads)), first)
         self.last_comm_bytes = self.executor.comm_bytes + sent
         self.last_step_s = time.perf_counter() - t0
         self.last_compiles = self.compiler.compiles[compiled:]
         self.steps += 1
         return loss.detach()
-
-    def _written(self) -> list[str]:
-        """Buffers the compiled programs write in place (BatchNorm's statistics)."""
-        return sorted({n for c in self.compiler.programs.values() for n in c.program.capture.written_buffers})
 
     def eval_step(self, batch) -> torch.Tensor:
         """Forward only, in eval mode (dropout off): the loss averaged over data-parallel ranks."""

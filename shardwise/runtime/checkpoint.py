@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -37,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError
+from .watchdog import watched
 
 FORMAT = 1
 """What ``job.meta`` records; a checkpoint of another format is refused by name."""
@@ -318,8 +320,6 @@ class HostStager:
     backward; the update waits for it, ``wait_staged``). DCP's own stagers deep-copy the state each
     save, synchronously, and torch 2.11's cannot copy a DTensor."""
 
-    _synchronize_after_execute = False
-
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.host: dict[str, torch.Tensor] = {}
@@ -390,8 +390,6 @@ def save(job, path: str, extra: dict | None = None, blocking: bool = True):
     ``<path>.partial`` first, renamed to ``path`` once complete (an older one there is replaced
     only then). Returns ``path``; with ``blocking=False`` a ``PendingSave`` (the files are written
     on a thread; the next save, load or ``job.wait_saves()`` waits for it)."""
-    import time
-
     wait_saves(job)
     t0 = time.perf_counter()
     sd = state_dict(job, extra)
@@ -441,20 +439,25 @@ def load(job, path: str, extra: dict | None = None) -> dict:
     return saved
 
 
-def latest(directory: str) -> str | None:
-    """The published checkpoint of the highest step under ``directory`` (``step-N`` folders), or None."""
+def _published(directory: str) -> list[str]:
+    """The published checkpoints under ``directory`` (``step-N`` folders with DCP's metadata), oldest first."""
     if not os.path.isdir(directory):
-        return None
-    steps = [(int(d[5:]), d) for d in os.listdir(directory)
-             if d.startswith("step-") and d[5:].isdigit() and os.path.exists(os.path.join(directory, d, ".metadata"))]
-    return os.path.join(directory, max(steps)[1]) if steps else None
+        return []
+    steps = sorted((int(d[5:]), d) for d in os.listdir(directory) if d.startswith("step-") and d[5:].isdigit()
+                   and os.path.exists(os.path.join(directory, d, ".metadata")))
+    return [os.path.join(directory, d) for _, d in steps]
+
+
+def latest(directory: str) -> str | None:
+    """The published checkpoint of the highest step under ``directory``, or None."""
+    found = _published(directory)
+    return found[-1] if found else None
 
 
 def prune(directory: str, keep: int) -> None:
     """Rank 0: remove all but the ``keep`` newest published checkpoints under ``directory``."""
-    steps = sorted(int(d[5:]) for d in os.listdir(directory) if d.startswith("step-") and d[5:].isdigit())
-    for s in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(directory, f"step-{s:08d}"), ignore_errors=True)
+    for path in _published(directory)[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Checkpointing:
@@ -475,8 +478,6 @@ class Checkpointing:
         complete, so a crash mid-save leaves an older checkpoint at ``path`` as it was. ``extra``:
         the loop's objects to keep with it (``{"scheduler": sched}``; ``state_dict()`` objects or plain
         values). ``blocking=False``: DCP's async save, returning a ``PendingSave`` at once."""
-        from .watchdog import watched
-
         with watched(self, "save"):
             return save(self, path, extra, blocking)
 
@@ -489,7 +490,5 @@ class Checkpointing:
         returns what it recorded (steps, strategy, ranks). A missing, partial or foreign checkpoint, or
         one of another model, is a ``CheckpointError`` naming the directory and what differs.
         ``extra``: the objects to restore from what ``save(extra=...)`` kept (``load_state_dict``)."""
-        from .watchdog import watched
-
         with watched(self, "load"):
             return load(self, path, extra)

@@ -21,6 +21,7 @@ import torch.nn as nn
 from ..capture.trace import TRACING
 from ..errors import OutsideStepError
 
+
 def _model_hook(job):
     def check(module: nn.Module, args, kwargs):
         if TRACING.get():
