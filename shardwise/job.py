@@ -180,16 +180,21 @@ class Job(Checkpointing, Held):
     def _shard_tp(self, placements: dict, gather: str) -> None:
         """The tensor-parallel plan is known (from the first captured step): the state is made again
         from the model's whole weights, this rank's tp shard of each split one, into the same
-        optimizer (its groups, hyperparameters and schedulers kept; it has taken no step yet)."""
+        optimizer (its groups, hyperparameters and schedulers kept; its state, where a checkpoint
+        loaded before the first step gave it one, cut to the tp shards)."""
         from .runtime.state import TensorParallel
 
-        tp, named = self.tp, list(self.model.named_parameters())
+        tp, named, old = self.tp, list(self.model.named_parameters()), self.state
         tp.placements, tp.gather = placements, gather
         state = TensorParallel(placements, tp.ranks, tp.rank, tp.group)
         shapes = [state.local(n, p).shape for n, p in named]
         self.layouts = layouts_for([n for n, _ in named], shapes, 1 if self.strategy == "ddp" else self.mesh.dp)
+        name_of = {id(t): n for n, t in old.opt_tensors.items()}
+        saved = {name_of[id(p)]: s for p, s in old.optimizer.state.items()}
+        old.optimizer.state.clear()
         self.state = ShardedState(self.model, self.strategy, self.layouts, self.mesh.rank("dp"), None,
-                                  self.config.mixed_precision.param_dtype, tp=state, reuse=self.state)
+                                  self.config.mixed_precision.param_dtype, tp=state, reuse=old)
+        self.state.take_state(saved, old, self.group, self.mesh.dp)
         for part in (self.executor, self.updater, self.plan):
             part.state = self.state
         install(self)

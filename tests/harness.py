@@ -780,7 +780,9 @@ def tp_compile_error(kw: dict):
 
 
 def ckpt_run(strategy: str, path: str, steps: int, save_at: int | None = None, resume: bool = False,
-             micro_of: int = 1, over: tuple = (), loop: bool = False, die: str | None = None, half: bool = False):
+             micro_of: int = 1, over: tuple = (), loop: bool = False, die: str | None = None, half: bool = False,
+             tp: int | None = None, name: str = "llama", save_to: str | None = None, warm: bool = False,
+             **compile_kw):
     """The tiny fp32 Llama trained to ``steps`` on this pool's dp ranks: saved to ``path`` after
     ``save_at`` steps, or (``resume``) started from the checkpoint at ``path`` with other weights
     first (so only the load can make it match). ``micro_of``: each rank takes the batches of that
@@ -788,21 +790,27 @@ def ckpt_run(strategy: str, path: str, steps: int, save_at: int | None = None, r
     micro-batches per step, gradient clipping and a cosine schedule kept in the checkpoint. ``half``:
     rank r takes half of the batch rank r // 2 of the saving run took (a dp=4 resume of a dp=2 run).
     ``die``: every rank SIGKILLs itself "after" the save at ``save_at``, or "in" it, between DCP's
-    write and the publication. Returns (loss per step index, full_state_dict on rank 0, what
-    ``load`` returned)."""
+    write and the publication. ``tp``: a mesh of dp x tp ranks, the batches by dp rank; ``save_to``:
+    where the save at ``save_at`` goes (``path`` by default); ``warm``: a step on another batch before
+    the load (which must then replace the program's state as a whole); ``compile_kw``: more options
+    of the job. Returns (loss per step index,
+    full_state_dict on rank 0, what ``load`` returned)."""
     import os
     import signal
 
     from shardwise.recipes import cosine_with_warmup
     from shardwise.runtime import checkpoint
 
-    job = sw.compile(make_model("llama", "fp32", seed=1 if resume else 0, **dict(over)), optimizer=adamw,
-                     strategy=strategy, mesh=sw.mesh(), clip_grad_norm=0.05 if loop else None)
+    job = sw.compile(make_model(name, "fp32", seed=1 if resume else 0, **dict(over)), optimizer=adamw,
+                     strategy=strategy, mesh=sw.mesh(tp=tp) if tp else sw.mesh(),
+                     **{"clip_grad_norm": 0.05 if loop else None, **split_head(compile_kw, tp)})
     sched = cosine_with_warmup(job.optimizer, 1, steps) if loop else None
     extra = {"scheduler": sched} if loop else None
-    r, meta = dist.get_rank(), None
+    r, meta = job.mesh.rank("dp"), None
     start = 0
     if resume:
+        if warm:
+            job.step([make_batch(name, 99, r)] * 2 if loop else make_batch(name, 99, r))  # the loop's program
         meta = job.load(path, extra=extra)
         start = meta["steps"]
     if die == "in":
@@ -811,14 +819,14 @@ def ckpt_run(strategy: str, path: str, steps: int, save_at: int | None = None, r
     losses = {}
     per = micro_of * (2 if loop else 1)
     for s in range(start, steps):
-        mbs = [make_batch("llama", s, r * per + m) for m in range(per)]
+        mbs = [make_batch(name, s, r * per + m) for m in range(per)]
         if half:
-            mbs = [tuple(t[r % 2:r % 2 + 1] for t in make_batch("llama", s, r // 2))]
+            mbs = [tuple(t[r % 2:r % 2 + 1] for t in make_batch(name, s, r // 2))]
         losses[s] = float(job.step(mbs if per > 1 else mbs[0]))
         if sched is not None:
             sched.step()
         if save_at is not None and s + 1 == save_at:
-            job.save(path, extra=extra)
+            job.save(save_to or path, extra=extra)
             if die == "after":
                 os.kill(os.getpid(), signal.SIGKILL)
     return losses, job.full_state_dict(), meta

@@ -66,6 +66,48 @@ def test_a_zero2_checkpoint_of_two_ranks_resumes_on_four_under_zero3(pools, tmp_
     assert harness.rel_param_err(sd, sd_full) <= 1e-5
 
 
+def test_a_dp4_checkpoint_resumes_on_dp2_x_tp2_and_a_tp_checkpoint_anywhere(pools, tmp_path):
+    """dp=4 -> dp=2 x tp=2 (loaded before the tp plan exists, then cut to the tp shards at the first
+    step), each dp rank taking two saving ranks' batches: within fp32 rounding of the uninterrupted
+    run. The tp job's own checkpoint, written as pieces of the whole tensors, resumes on the same mesh
+    bit for bit, and on dp=4 under ddp within rounding."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    full, sd_full, _ = pools(4).run(harness.ckpt_run, "zero3", a, 4, save_at=2)[0]
+    tp, sd_tp, meta = pools(4).run(harness.ckpt_run, "zero3", a, 4, resume=True, tp=2, micro_of=2,
+                                   save_at=3, save_to=b)[0]
+    assert meta["ranks"] == 4 and sorted(tp) == [2, 3]
+    assert max(abs(tp[s] - full[s]) / abs(full[s]) for s in (2, 3)) <= 1e-5
+    assert harness.rel_param_err(sd_tp, sd_full) <= 1e-5
+    again, sd, meta = pools(4).run(harness.ckpt_run, "zero3", b, 4, resume=True, tp=2, micro_of=2)[0]
+    assert meta["ranks"] == 2 and meta["tp"] == 2 and again == {3: tp[3]}
+    assert all(torch.equal(sd[k], sd_tp[k]) for k in sd_tp)
+    dp, sd, _ = pools(4).run(harness.ckpt_run, "ddp", b, 4, resume=True)[0]
+    assert abs(dp[3] - full[3]) / abs(full[3]) <= 1e-5 and harness.rel_param_err(sd, sd_full) <= 1e-5
+
+
+def test_a_tp_checkpoint_of_fused_qkv_loads_into_a_job_that_has_stepped_bit_identical(pools, tmp_path):
+    """GPT's fused q/k/v weight is cut on tp in three blocks and on dp across them: several pieces per
+    rank. Loaded into a job that has taken a step (its state already tp shards), the resumed steps
+    give the same floats, with clipping and the schedule."""
+    path = str(tmp_path / "ck")
+    full, sd_full, _ = pools(4).run(harness.ckpt_run, "zero3", path, 3, save_at=1, tp=2, name="gpt", loop=True)[0]
+    resumed, sd, meta = pools(4).run(harness.ckpt_run, "zero3", path, 3, resume=True, tp=2, name="gpt", loop=True,
+                                     warm=True)[0]
+    assert meta["steps"] == 1 and resumed == {s: full[s] for s in (1, 2)}
+    assert all(torch.equal(sd[k], sd_full[k]) for k in sd_full)
+
+
+def test_an_offloaded_optimizer_state_checkpoints_and_resumes_bit_identical(pools, tmp_path):
+    """The state in host memory (half of it updated on the host): saved from its host buffers and
+    loaded into them, in a job that has stepped and in one that does not offload."""
+    path, off = str(tmp_path / "ck"), {"offload_optimizer": True, "offload_host_update": 0.5}
+    full, sd_full, _ = pools(2).run(harness.ckpt_run, "zero3", path, 3, save_at=1, loop=True, **off)[0]
+    for kw in ({**off, "warm": True}, {}):
+        resumed, sd, _ = pools(2).run(harness.ckpt_run, "zero3", path, 3, resume=True, loop=True, **kw)[0]
+        assert resumed == {s: full[s] for s in (1, 2)}, kw
+        assert all(torch.equal(sd[k], sd_full[k]) for k in sd_full), kw
+
+
 def test_a_save_is_published_only_once_complete(pools, tmp_path):
     """What a crashed save leaves (``<path>.partial``, no metadata) is never read: the checkpoint
     published before it loads, and the next save clears it and replaces the old one whole."""

@@ -24,6 +24,7 @@ value, the same on every rank.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import random
@@ -49,13 +50,130 @@ def _mesh(job):
     return dm["dp"] if len(dm.mesh_dim_names) > 1 else dm
 
 
-def _refuse(job) -> None:
-    if job.tp is not None:
-        raise NotImplementedError("checkpoints of tensor-parallel jobs are being built (issue 23): use "
-                                  "job.full_state_dict() to export the whole weights for now")
-    if job.state.streamer is not None:
-        raise NotImplementedError("checkpoints under offload_optimizer are being built (issue 23): the "
-                                  "optimizer state lives in host memory in chunks")
+class Pieces:
+    """A tensor of whole shape ``size`` of which this rank holds ``chunks``: (global offsets, tensor)
+    each, the tensor a view of the job's own storage. How a checkpoint describes a tensor cut on the
+    tp axis as well as the dp one: a tp shard of a fused q/k/v weight is several blocks of the whole,
+    and the dp cut of a tp shard is not the dp cut of the whole, which no DTensor placement says.
+    DCP plans its writes and reads from the chunks (the ``__create_write_items__`` and
+    ``__create_chunk_list__`` it asks of a tensor-like object); ``SavePlanner`` and ``LoadPlanner``
+    find a chunk by its offsets."""
+
+    def __init__(self, size: tuple[int, ...], chunks: list[tuple[torch.Size, torch.Tensor]]):
+        self.whole, self.chunks = torch.Size(size), chunks
+
+    def size(self) -> torch.Size:
+        return self.whole
+
+    def at(self, offsets) -> torch.Tensor:
+        for off, t in self.chunks:
+            if off == offsets:
+                return t
+        raise KeyError(f"internal: no piece at {tuple(offsets)} of a tensor of shape {tuple(self.whole)}")
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=off, sizes=t.size()) for off, t in self.chunks]
+
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.whole))
+                for chunk, (_, t) in zip(self.__create_chunk_list__(), self.chunks)]
+
+
+class SavePlanner(dcp.DefaultSavePlanner):
+    """DCP's default save planner, which also writes the chunks of a ``Pieces``."""
+
+    def lookup_object(self, index):
+        obj = self.state_dict.get(index.fqn)
+        return obj.at(index.offset) if isinstance(obj, Pieces) else super().lookup_object(index)
+
+
+class LoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, which also reads into the chunks of a ``Pieces``."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's set-up puts None in place of every object of a type it does not know: it is given a
+        # copy of the structure with a stand-in tensor for each Pieces, swapped back once flattened
+        back: dict[int, Pieces] = {}
+
+        def shield(obj):
+            if isinstance(obj, dict):
+                return {k: shield(v) for k, v in obj.items()}
+            if isinstance(obj, Pieces):
+                stand = torch.empty(0)
+                back[id(stand)] = obj
+                return stand
+            return obj
+
+        super().set_up_planner(shield(state_dict), metadata, is_coordinator)
+        self.original_state_dict = state_dict  # where the bytes read are put
+        self.state_dict = {k: back.get(id(v), v) for k, v in self.state_dict.items()}
+
+    def lookup_tensor(self, index):
+        obj = self.state_dict.get(index.fqn)
+        return obj.at(index.offset) if isinstance(obj, Pieces) else super().lookup_tensor(index)
+
+
+def _runs(glob: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(position, global index, length) of each run of consecutive global indices in ``glob``."""
+    if len(glob) == 0:
+        return []
+    starts = [0, *(torch.nonzero(glob[1:] - glob[:-1] != 1).flatten() + 1).tolist(), len(glob)]
+    return [(a, int(glob[a]), b - a) for a, b in zip(starts, starts[1:])]
+
+
+def _whole(job, name: str) -> tuple[int, ...]:
+    """The whole shape of parameter ``name`` as a checkpoint stores it (a 0-dim one as ``(1,)``)."""
+    shape, tp = list(job.layouts[name].shape2), job.state.tp
+    d = tp.dim(name) if tp is not None else None
+    if d is not None:
+        shape[d] *= tp.ranks
+    return tuple(shape)
+
+
+def _holdings(job, name: str, t: torch.Tensor) -> list[tuple[torch.Size, torch.Tensor]]:
+    """(global offsets, view of ``t``) of each block of the whole tensor that ``t``, held as parameter
+    ``name`` is held on this rank, has: its real dp rows of this rank's tp shard, cut where the tp
+    shard's indices into the whole jump (between the q, k and v blocks of a fused weight)."""
+    real, tp = _real(job, name, t), job.state.tp
+    lo = 0 if job.strategy == "ddp" else job.mesh.rank("dp") * job.layouts[name].rows
+    d, whole = tp.dim(name) if tp is not None else None, _whole(job, name)
+    runs = []
+    for i, n in enumerate(real.shape):
+        pos = torch.arange(n) + (lo if i == 0 else 0)  # in the tp shard
+        runs.append(_runs(tp.indices(name, whole[i])[pos] if i == d else pos))
+    out = []
+    for combo in itertools.product(*runs):
+        view = real
+        for i, (at, _, n) in enumerate(combo):
+            view = view.narrow(i, at, n)
+        out.append((torch.Size([g for _, g, _ in combo]), view))
+    return out
+
+
+def _sharded(job, name: str, t: torch.Tensor):
+    """``t`` (held as parameter ``name`` is) as this rank's part of the whole tensor: a DTensor over
+    the dp axis, or ``Pieces`` under a tp axis or off the mesh's device (an offloaded state in host
+    memory, which a DTensor would copy to the device)."""
+    if job.state.tp is None and t.device.type == job.mesh.device.type:
+        return _dtensor(job, name, t)
+    return Pieces(_whole(job, name), _holdings(job, name, t))
+
+
+def _copy_in(job, name: str, dest: torch.Tensor, loaded) -> None:
+    """Copy what ``dcp.load`` read into ``loaded`` (a ``_sharded`` of ``dest`` or of its twin) into ``dest``."""
+    if isinstance(loaded, DTensor):
+        _real(job, name, dest).copy_(loaded.to_local())
+        return
+    for (_, view), (_, got) in zip(_holdings(job, name, dest), loaded.chunks):
+        if view.data_ptr() != got.data_ptr():
+            view.copy_(got)
 
 
 def _real(job, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -128,21 +246,20 @@ def _extra_state(extra: dict | None) -> dict:
 
 def state_dict(job, extra: dict | None = None) -> dict:
     """This rank's part of the job's state, for ``dcp.save`` (module docstring)."""
-    _refuse(job)
     job.updater.drain()
     opt, st = job.optimizer, job.state
     by_tensor = {id(t): n for n, t in st.opt_tensors.items()}
-    model = {n: _dtensor(job, n, t.detach()) for n, t in _params(job).items()}
+    model = {n: _sharded(job, n, t.detach()) for n, t in _params(job).items()}
     optim = {}
     for p, s in opt.state.items():
         name = by_tensor[id(p)]
         for k, v in s.items():
             if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                optim[f"{name}.{k}"] = _dtensor(job, name, v)
+                optim[f"{name}.{k}"] = _sharded(job, name, v)
             else:  # a step count: the same on every rank
                 optim[f"{name}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    meta = {"format": FORMAT, "strategy": job.strategy, "ranks": job.mesh.dp, "world": dist.get_world_size(),
+    meta = {"format": FORMAT, "strategy": job.strategy, "ranks": job.mesh.dp, "tp": job.mesh.size("tp"), "world": dist.get_world_size(),
             "steps": job.steps, "groups": groups, "optimizer": type(opt).__name__, "extra": sorted(extra or {})}
     try:  # one leaf: DCP keeps it whole (nested dicts it would cut into keys)
         meta = json.dumps(meta)
@@ -162,27 +279,20 @@ def state_dict(job, extra: dict | None = None) -> dict:
 def load_state_dict(job, sd: dict, extra: dict | None = None) -> dict:
     """Copy a loaded ``state_dict`` (one whose tensors ``dcp.load`` filled) into the job's state, and
     the training loop's objects saved beside it into ``extra``'s; returns the saved extra values."""
-    _refuse(job)
     st, opt = job.state, job.optimizer
     with torch.no_grad():
         for n, t in _params(job).items():
-            _real(job, n, t).copy_(sd["model"][n].to_local())
-        for p in st.opt_tensors.values():
-            opt.state.pop(p, None)
+            _copy_in(job, n, t, sd["model"][n])
+        saved_state: dict[str, dict] = {}
+        for key, v in sd["optim"].items():
+            owner, _, k = key.rpartition(".")
+            saved_state.setdefault(owner, {})[k] = v
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         for n, p in st.opt_tensors.items():
-            state = {}
-            for key, v in sd["optim"].items():
-                owner, _, k = key.rpartition(".")
-                if owner != n:
-                    continue
-                if isinstance(v, DTensor):
-                    full = torch.zeros_like(p)  # padding rows stay zero
-                    _real(job, n, full).copy_(v.to_local())
-                    state[k] = full
-                else:
-                    state[k] = v
-            if state:
-                opt.state[p] = state
+            _take_state(job, n, p, saved_state.get(n, {}), group_of[id(p)])
+        if st.streamer is not None:  # the device shards the step reads, from the host masters
+            for n, c in st.compute.items():
+                c.copy_(st.master[n].detach())
         meta = json.loads(sd["meta"])
         for g, saved in zip(opt.param_groups, meta["groups"]):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
@@ -194,6 +304,9 @@ def load_state_dict(job, sd: dict, extra: dict | None = None) -> dict:
             for n in st.names:
                 if not st.trainable[n]:
                     st.full[n].copy_(st.gather_full(n, job.group, job.mesh.dp).to(st.full[n].dtype))
+        if job.tp is not None and st.tp is None:  # before the first step: the whole weights its tp shards are cut from
+            for n, p in job.model.named_parameters():
+                p.copy_(st.gather_full(n, job.group, job.mesh.dp).reshape(p.shape))
     job.steps = meta["steps"]
     rng = sd.get(f"rng.{dist.get_rank()}")
     if rng is not None and meta.get("world") == dist.get_world_size():
@@ -203,6 +316,39 @@ def load_state_dict(job, sd: dict, extra: dict | None = None) -> dict:
                       f"{dist.get_world_size()}: its per-rank RNG states (dropout, sampling) are not carried "
                       "over; each rank keeps its own generator's state", stacklevel=3)
     return saved_extra
+
+
+def _take_state(job, name: str, p: torch.Tensor, saved: dict, group: dict) -> None:
+    """The optimizer state of ``p`` (parameter ``name``'s) from what a checkpoint held: copied into
+    the tensors it has where it has them (the pinned host buffers of an offloaded state, which the
+    host update's optimizer shares; a fused kernel's step counts on the device), else made as
+    torch's ``Optimizer.load_state_dict`` places state."""
+    opt, streamer = job.optimizer, job.state.streamer
+    if not saved:  # saved before its first step
+        if streamer is None:
+            opt.state.pop(p, None)
+        else:  # offloaded Adam's state is made up front: back to what a first step finds
+            for v in opt.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    v.zero_()
+        return
+    cur = opt.state[p]
+    for k in [k for k in cur if k not in saved]:
+        del cur[k]
+    for k, v in saved.items():
+        old = cur.get(k)
+        if isinstance(v, (DTensor, Pieces)):
+            if not (isinstance(old, torch.Tensor) and old.shape == p.shape and old.dtype == p.dtype):
+                old = (streamer._to_host(p) if streamer is not None and p.device.type == "cpu"
+                       else torch.empty_like(p)).zero_()  # padding rows stay zero
+            _copy_in(job, name, old, v)
+            cur[k] = old
+        elif isinstance(v, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == v.shape:
+            old.copy_(v)
+        elif isinstance(v, torch.Tensor) and k == "step" and (group.get("fused") or group.get("capturable")):
+            cur[k] = v.to(device=p.device, dtype=torch.float32)
+        else:
+            cur[k] = v
 
 
 def _load_extra(sd: dict, extra: dict | None) -> dict:
@@ -228,7 +374,7 @@ def _template(job, meta: dict) -> dict:
             continue
         p = st.opt_tensors[name]
         if key in meta["sharded_keys"]:
-            sd["optim"][key] = _dtensor(job, name, torch.zeros_like(p))
+            sd["optim"][key] = _sharded(job, name, torch.zeros_like(p))
         else:
             sd["optim"][key] = torch.zeros((), dtype=torch.float32)
     sd["optim"] = {k: v for k, v in sd["optim"].items() if k in meta["optim_keys"]}
@@ -254,7 +400,7 @@ def _check(job, path: str) -> dict:
         raise CheckpointError(f"the checkpoint at {path!r} cannot be read ({type(e).__name__}: {e}); "
                               "its .metadata is corrupt: load another one") from None
     items = md.state_dict_metadata
-    mine = {n: tuple(job.layouts[n].shape2) for n in job.state.names}
+    mine = {n: _whole(job, n) for n in job.state.names}
     saved = {k.split(".", 1)[1]: tuple(v.size) for k, v in items.items()
              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -349,6 +495,8 @@ class HostStager:
         if isinstance(obj, DTensor):
             return DTensor.from_local(self._copy(key, obj.to_local()), obj.device_mesh, obj.placements,
                                       run_check=False, shape=obj.shape, stride=obj.stride())
+        if isinstance(obj, Pieces):
+            return Pieces(obj.whole, [(off, self._copy(f"{key}@{tuple(off)}", t)) for off, t in obj.chunks])
         if isinstance(obj, torch.Tensor):
             return self._copy(key, obj)
         return obj
@@ -404,13 +552,14 @@ def save(job, path: str, extra: dict | None = None, blocking: bool = True):
         if getattr(job, "_save_group", None) is None:  # DCP's own collectives, off the step's groups
             job._save_group = dist.new_group(backend="gloo")
             job._stager = HostStager(job.mesh.device)
-        fut = dcp.async_save(sd, checkpoint_id=tmp, process_group=job._save_group, async_stager=job._stager)
+        fut = dcp.async_save(sd, checkpoint_id=tmp, process_group=job._save_group, async_stager=job._stager,
+                             planner=SavePlanner())
         staged = None
         if hasattr(fut, "upload_completion"):  # staged on a thread: the step goes on meanwhile
             fut, staged = fut.upload_completion, fut.staging_completion
         job._pending_save = PendingSave(fut, tmp, path, rank == 0, time.perf_counter() - t0, staged)
         return job._pending_save
-    dcp.save(sd, checkpoint_id=tmp)
+    dcp.save(sd, checkpoint_id=tmp, planner=SavePlanner())
     dist.barrier(job.ctrl)  # every rank's pieces and the metadata written
     if rank == 0:
         _publish(tmp, path)
@@ -422,11 +571,10 @@ def load(job, path: str, extra: dict | None = None) -> dict:
     """Load the checkpoint at ``path`` into the job (a collective), resharded to this job's ranks and
     strategy, and the loop's objects in ``extra`` from what was saved beside it; returns its
     metadata (steps, strategy, ranks, and the saved extra values under ``"extra"``)."""
-    _refuse(job)
     wait_saves(job)
     meta = _check(job, path)
     sd = _template(job, meta)
-    dcp.load(sd, checkpoint_id=path)
+    dcp.load(sd, checkpoint_id=path, planner=LoadPlanner())
     saved = json.loads(sd["meta"])
     if saved.get("format") != FORMAT:
         raise CheckpointError(f"the checkpoint at {path!r} is of format {saved.get('format')!r}; this "

@@ -271,13 +271,33 @@ class ShardedState:
     def gather_full(self, name: str, group: dist.ProcessGroup, ranks: int) -> torch.Tensor:
         """The whole value of parameter ``name`` (collective: every rank must call it): its data-parallel
         shards gathered, then its tensor-parallel ones."""
-        if self.strategy == "ddp":
-            local = self.full[name].detach()
-        else:
-            shard = self.master[name].detach().to(self.device)
-            lay = self.layouts[name]
-            local = lay.unshard(shard if ranks == 1 else _all_gather(shard.contiguous(), ranks, group))
+        held = self.full[name] if self.strategy == "ddp" else self.master[name]
+        local = self.dp_whole(name, held.detach(), group, ranks)
         return self.tp.gather(name, local) if self.tp is not None else local
+
+    def dp_whole(self, name: str, t: torch.Tensor, group: dist.ProcessGroup, ranks: int) -> torch.Tensor:
+        """``t``, held as parameter ``name`` is held (its dp shard, or whole under ddp), gathered over the
+        dp ranks (a collective except under ddp): its tp shard where there is a tp axis."""
+        if self.strategy == "ddp":
+            return t
+        t, lay = t.to(self.device), self.layouts[name]
+        return lay.unshard(t if ranks == 1 else _all_gather(t.contiguous(), ranks, group))
+
+    @torch.no_grad()
+    def take_state(self, saved: dict[str, dict], old: ShardedState, group: dist.ProcessGroup, ranks: int) -> None:
+        """The optimizer state ``old`` held (``saved``: by parameter name, as ``old`` held it: before the
+        tp plan, whole on the tp axis) made this state's: each tensor gathered over dp one at a time,
+        cut to this rank's tp shard and dp shard of it. Collective."""
+        for name, st in saved.items():
+            p, moved = self.opt_tensors[name], {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == old.opt_tensors[name].shape:
+                    whole = old.dp_whole(name, v, group, ranks).reshape(old.shapes[name])
+                    piece = self.tp.piece(name, whole) if self.tp is not None else whole
+                    v = piece.reshape(p.shape) if self.strategy == "ddp" else self.layouts[name].shard(piece, self.rank)
+                    v = v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype)
+                moved[k] = v
+            self.optimizer.state[p] = moved
 
 
 class TensorParallel:
@@ -292,11 +312,20 @@ class TensorParallel:
         return getattr(p, "dim", None)
 
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        d = self.dim(name)
-        if d is None:
+        """This rank's tp shard of parameter ``name`` (``p`` whole), a parameter of its own."""
+        if self.dim(name) is None:
             return p
-        piece = self.placements[name].local(p.detach(), self.rank, self.ranks)
-        return nn.Parameter(piece.contiguous(), requires_grad=p.requires_grad)
+        return nn.Parameter(self.piece(name, p.detach()), requires_grad=p.requires_grad)
+
+    def piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's tp shard of ``whole``, a tensor shaped as parameter ``name`` (a new tensor)."""
+        d = self.dim(name)
+        return whole.clone() if d is None else self.placements[name].local(whole, self.rank, self.ranks).contiguous()
+
+    def indices(self, name: str, size: int) -> torch.Tensor | None:
+        """Where along its sharded dim (of ``size`` entries) this rank's shard of ``name`` lies, or None."""
+        d = self.dim(name)
+        return None if d is None else self.placements[name].indices(size, self.rank, self.ranks)
 
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         d = self.dim(name)
