@@ -186,6 +186,8 @@ def mesh_args(p) -> None:
     p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
                    help="with --tp: cut the untied LM head by classes (on), keep it whole (off), or as the "
                         "cost model predicts faster (auto, default)")
+    p.add_argument("--init-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds the ranks wait for each other to join the process group (default 300)")
 
 
 def mesh_of(args):
@@ -193,7 +195,9 @@ def mesh_of(args):
 
     if args.sp and args.tp <= 1:
         raise SystemExit("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1) with it")
-    return sw.mesh(tp=args.tp if args.tp > 1 else None)
+    if not args.init_timeout > 0:
+        raise SystemExit(f"--init-timeout must be > 0 seconds, got {args.init_timeout}")
+    return sw.mesh(tp=args.tp if args.tp > 1 else None, init_timeout=args.init_timeout)
 
 
 def tp_kw(args) -> dict:
@@ -273,7 +277,7 @@ def bench_main(args) -> None:
     from shardwise.runtime.mesh import ensure_process_group
 
     cfg = bench_config(args)
-    ensure_process_group()
+    ensure_process_group(args.init_timeout)
     bench(cfg, args.out, args.name, command="shardwise " + " ".join(sys.argv[1:]), append=args.append)
     dist.barrier()
     dist.destroy_process_group()

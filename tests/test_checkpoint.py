@@ -66,13 +66,16 @@ def test_a_zero2_checkpoint_of_two_ranks_resumes_on_four_under_zero3(pools, tmp_
     assert harness.rel_param_err(sd, sd_full) <= 1e-5
 
 
-def test_a_dp4_checkpoint_resumes_on_dp2_x_tp2_and_a_tp_checkpoint_anywhere(pools, tmp_path):
-    """dp=4 -> dp=2 x tp=2 (loaded before the tp plan exists, then cut to the tp shards at the first
-    step), each dp rank taking two saving ranks' batches: within fp32 rounding of the uninterrupted
-    run. The tp job's own checkpoint, written as pieces of the whole tensors, resumes on the same mesh
-    bit for bit, and on dp=4 under ddp within rounding."""
+def test_a_dp4_checkpoint_resumes_on_dp2_and_dp2_x_tp2_and_a_tp_checkpoint_anywhere(pools, tmp_path):
+    """dp=4 -> dp=2 (zero3 -> zero2), and dp=4 -> dp=2 x tp=2 (loaded before the tp plan exists, then
+    cut to the tp shards at the first step), each dp rank taking two saving ranks' batches: within
+    fp32 rounding of the uninterrupted run. The tp job's own checkpoint, written as pieces of the
+    whole tensors, resumes on the same mesh bit for bit, and on dp=4 under ddp within rounding."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     full, sd_full, _ = pools(4).run(harness.ckpt_run, "zero3", a, 4, save_at=2)[0]
+    two, sd, _ = pools(2).run(harness.ckpt_run, "zero2", a, 4, resume=True, micro_of=2)[0]  # dp=4 -> dp=2
+    assert max(abs(two[s] - full[s]) / abs(full[s]) for s in (2, 3)) <= 1e-5
+    assert harness.rel_param_err(sd, sd_full) <= 1e-5
     tp, sd_tp, meta = pools(4).run(harness.ckpt_run, "zero3", a, 4, resume=True, tp=2, micro_of=2,
                                    save_at=3, save_to=b)[0]
     assert meta["ranks"] == 4 and sorted(tp) == [2, 3]

@@ -312,3 +312,40 @@ def test_cuda_tensor_parallel_gloo_ranks_sharing_the_gpu(pools, name, strategy, 
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
     assert info["tp"]["reduce_scatter" if sp else "all_reduce"] > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("kw", [{}, {"offload_optimizer": "all", "offload_chunk_mb": 1 / 64}],
+                         ids=["fused-adamw", "offload"])
+def test_cuda_a_checkpoint_resumes_bit_identical(tmp_path, kw):
+    """On the GPU: the fused AdamW's step counts go back to the device (the kernel reads them there)
+    and an offloaded state into its pinned host buffers, in a job that has stepped and a fresh one."""
+    import shardwise as sw
+    from harness import adamw, make_batch, make_model
+
+    def job_of(seed):
+        return sw.compile(make_model("llama", "fp32", seed=seed).cuda(), optimizer=adamw, strategy="zero3",
+                          mesh=sw.mesh(dp=1, device="cuda"), **kw)
+
+    def batch(s):
+        return tuple(t.cuda() for t in make_batch("llama", s, 0))
+
+    full = job_of(0)
+    losses = [float(full.step(batch(s))) for s in range(2)]
+    full.save(str(tmp_path / "ck"))
+    losses += [float(full.step(batch(s))) for s in (2, 3)]
+    want = full.full_state_dict()
+    for warm in (False, True):
+        job = job_of(1)
+        if warm:
+            job.step(batch(9))
+        job.load(str(tmp_path / "ck"))
+        assert [float(job.step(batch(s))) for s in (2, 3)] == losses[2:], warm
+        got = job.full_state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), warm
+        if kw:
+            assert all(p.is_pinned() for p in job.state.master.values())
+            assert all(v.is_pinned() for s in job.optimizer.state.values() for v in s.values() if v.dim())
+        else:
+            steps = {s["step"].device.type for s in job.optimizer.state.values()}
+            assert steps == {"cuda"}, steps

@@ -51,3 +51,23 @@ def test_ranks_calling_different_methods_are_told_so(pools):
     for ok, val in res:
         assert not ok and val[0] == "RankMismatchError", val
         assert "ranks [0] in job.step (step 3); ranks [1] in job.eval_step (after step 2)" in val[1], val[1]
+
+
+def test_ranks_that_do_not_all_join_the_process_group_get_an_error_within_the_init_timeout():
+    """Rank 0 of two started alone: it leaves after ``init_timeout``, saying how many ranks joined."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    code = "import shardwise as sw; sw.mesh(init_timeout=2)"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode != 0 and time.monotonic() - t0 < 60
+    assert "MeshError: rank 0: the 2 ranks did not all join the process group at 127.0.0.1:" in out.stderr, out.stderr
+    assert "within init_timeout=2s" in out.stderr and "1/2 clients joined" in out.stderr, out.stderr

@@ -3,10 +3,15 @@
 ``state_dict(job)`` describes what this rank holds as DTensors over the data-parallel axis of the
 job's ``DeviceMesh``: each parameter with its whole shape (dim 0 cut as the shard layout cuts it,
 ``Shard(0)``, under zero1-3; ``Replicate()`` under ddp) and each tensor of its optimizer state alike,
-plus the optimizer's hyperparameters and the job's step counter. DCP writes each rank's pieces
-with their global offsets, so a checkpoint loads on any number of data-parallel ranks and under
-any strategy: ``load_state_dict`` reads into the pieces the loading job holds, and DCP moves what
-each rank needs. A 0-dim parameter is stored as shape ``(1,)``, as the layouts hold it.
+plus the optimizer's hyperparameters and the job's step counter. Under a tp axis, and for a state
+held in host memory (offload), each tensor is ``Pieces``: the blocks of the whole tensor this rank
+holds, at their offsets (a tp shard of a fused q/k/v weight is three blocks; the dp cut of a tp shard
+is not the dp cut of the whole), which ``SavePlanner`` and ``LoadPlanner`` give DCP. DCP writes each
+rank's blocks with their global offsets, so a checkpoint loads on any mesh and under any strategy:
+``load_state_dict`` reads into the blocks the loading job holds, and DCP moves what each rank needs.
+A tp job that has not taken its first step holds its state whole on the tp axis (the tp plan comes
+from the first step's graph): it loads so, and ``Job._shard_tp`` cuts the loaded state to the tp
+shards at that step. A 0-dim parameter is stored as shape ``(1,)``, as the layouts hold it.
 
 ``save(job, path)`` writes under a temporary name next to ``path`` and publishes it by rename once
 DCP's metadata is written (rank 0, after every rank's write), so a crash mid-save leaves the
@@ -125,7 +130,7 @@ def _runs(glob: torch.Tensor) -> list[tuple[int, int, int]]:
     if len(glob) == 0:
         return []
     starts = [0, *(torch.nonzero(glob[1:] - glob[:-1] != 1).flatten() + 1).tolist(), len(glob)]
-    return [(a, int(glob[a]), b - a) for a, b in zip(starts, starts[1:])]
+    return [(a, int(glob[a]), b - a) for a, b in itertools.pairwise(starts)]
 
 
 def _whole(job, name: str) -> tuple[int, ...]:
@@ -613,8 +618,9 @@ class Checkpointing:
 
     def state_dict(self, extra: dict | None = None) -> dict:
         """This rank's part of the job's state for ``dcp.save``: each parameter and optimizer tensor a
-        DTensor of its whole shape over the dp axis, the buffers, hyperparameters and step counter,
-        this rank's RNG states and ``extra`` (module docstring)."""
+        DTensor of its whole shape over the dp axis (``Pieces`` under a tp axis or offload: give
+        ``dcp.save``/``dcp.load`` ``planner=SavePlanner()``/``LoadPlanner()`` of this module), the
+        buffers, hyperparameters and step counter, this rank's RNG states and ``extra`` (module docstring)."""
         return state_dict(self, extra)
 
     def load_state_dict(self, sd: dict, extra: dict | None = None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -52,7 +53,19 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
 
 
 def spawn(fn: Callable, nproc: int, *args) -> None:
-    """Run ``fn(*args)`` on ``nproc`` spawned CPU ranks joined by gloo; an error on any rank stops all."""
+    """Run ``fn(*args)`` on ``nproc`` spawned CPU ranks joined by gloo; an error on any rank stops all.
+    A rank that raises has its traceback printed and a rank that exits has its code said, once, and
+    this process exits with that code (1 for an error): no traceback of the launcher's own."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    mp.start_processes(_entry, args=(nproc, _free_port(), fn, args), nprocs=nproc, start_method="spawn")
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
+    try:
+        mp.start_processes(_entry, args=(nproc, _free_port(), fn, args), nprocs=nproc, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        print(str(e).strip(), file=sys.stderr)
+        raise SystemExit(1) from None
+    except mp.ProcessExitedException as e:
+        why = " (its reason is above)" if e.exit_code == 3 else ""
+        print(f"shardwise: rank {e.error_index} exited with code {e.exit_code}{why}; the other ranks were stopped",
+              file=sys.stderr)
+        raise SystemExit(e.exit_code if isinstance(e.exit_code, int) and e.exit_code > 0 else 1) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,15 +22,34 @@ AXES = ("dp", "ep", "tp")
 """Mesh axes in mesh order, outermost first (tensor parallel innermost: adjacent ranks)."""
 
 
-def ensure_process_group() -> None:
-    """Join the job's process group: torchrun's environment if present, else a one-rank gloo group."""
+INIT_TIMEOUT = 300.0
+"""Seconds the ranks wait for each other to join the process group (torchtitan's default)."""
+
+
+def ensure_process_group(init_timeout: float = INIT_TIMEOUT) -> None:
+    """Join the job's process group: torchrun's environment if present, else a one-rank gloo group.
+    Ranks that do not all join within ``init_timeout`` seconds are a ``MeshError`` saying how many
+    joined and where; collectives keep torch's own (longer) timeout, as the job's watchdog holds
+    its steps to the job's ``timeout``."""
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         use_cuda = torch.cuda.is_available() and os.environ.get("SHARDWISE_BACKEND", "") != "gloo"
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        try:
+            dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=init_timeout))
+        except (RuntimeError, dist.DistError) as e:
+            if "time" not in str(e).lower():
+                raise
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            said = str(e).strip().splitlines()[0]
+            raise MeshError(f"rank {os.environ['RANK']}: the {os.environ['WORLD_SIZE']} ranks did not all join the "
+                            f"process group at {where} within init_timeout={init_timeout:g}s ({said}); start every "
+                            "rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise init_timeout= "
+                            "where starting takes longer") from None
+        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # the join's limit, not every collective's
+            dist.distributed_c10d._set_pg_timeout(dist.default_pg_timeout)
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
@@ -79,12 +99,13 @@ class Mesh:
 
 
 def mesh(dp: int | None = None, tp: int | None = None, ep: int | None = None,
-         device: str | torch.device | None = None) -> Mesh:
+         device: str | torch.device | None = None, init_timeout: float = INIT_TIMEOUT) -> Mesh:
     """A mesh over every rank of the job, by named axes; their product must be the world size. An
     axis left out is 1, but ``dp`` takes the ranks the others leave.
 
     Starts the process group if none is running: from torchrun's environment (NCCL on GPUs,
-    gloo on CPUs), or a one-rank gloo group in a plain single process.
+    gloo on CPUs), or a one-rank gloo group in a plain single process; ranks that do not all join
+    within ``init_timeout`` seconds get an error that says so.
 
     Example::
 
@@ -105,7 +126,9 @@ def mesh(dp: int | None = None, tp: int | None = None, ep: int | None = None,
     described = ", ".join(f"{a}={n}" for a, n in given.items() if n is not None)
     if not dist.is_initialized() and want != 1 and "RANK" not in os.environ:
         raise MeshError(f"mesh({described}) needs {want} processes but this is a single process: {launch_hint}")
-    ensure_process_group()
+    if not init_timeout > 0:
+        raise MeshError(f"mesh: init_timeout must be a positive number of seconds, got {init_timeout!r}")
+    ensure_process_group(init_timeout)
     ws = dist.get_world_size()
     if ws == 1 and want != 1:
         raise MeshError(f"mesh({described}) needs {want} processes but this job has one: {launch_hint}")
