@@ -315,11 +315,13 @@ def test_cuda_tensor_parallel_gloo_ranks_sharing_the_gpu(pools, name, strategy, 
 
 
 @needs_cuda
-@pytest.mark.parametrize("kw", [{}, {"offload_optimizer": "all", "offload_chunk_mb": 1 / 64}],
-                         ids=["fused-adamw", "offload"])
+@pytest.mark.parametrize("kw", [{}, {"offload_optimizer": "all", "offload_chunk_mb": 1 / 64,
+                                     "offload_host_update": False}], ids=["fused-adamw", "offload"])
 def test_cuda_a_checkpoint_resumes_bit_identical(tmp_path, kw):
     """On the GPU: the fused AdamW's step counts go back to the device (the kernel reads them there)
-    and an offloaded state into its pinned host buffers, in a job that has stepped and a fresh one."""
+    and an offloaded state into its pinned host buffers, in a job that has stepped and a fresh one.
+    (The host update's share is measured at the first step, so runs with it may split the update
+    differently, and the host's kernel rounds apart from the device's: it is left out here.)"""
     import shardwise as sw
     from harness import adamw, make_batch, make_model
 
