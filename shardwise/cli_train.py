@@ -149,8 +149,9 @@ def train_main(args) -> None:
         path = latest(args.checkpoint_dir)
         meta = job.load(path, extra={"scheduler": sched} if sched is not None else None)
         start, pos = meta["steps"], meta["extra"]["data"]["position"]
+        tp_was = f" x tp={meta['tp']}" if meta.get("tp", 1) > 1 else ""
         resumed = (f"resumed from {path}: step {start}, data position {pos}, saved by {meta['world']} ranks "
-                   f"({meta['strategy']}, dp={meta['ranks']})")
+                   f"({meta['strategy']}, dp={meta['ranks']}{tp_was})")
         if start >= args.steps:
             if rank == 0:
                 print(f"nothing to do: the checkpoint is at step {start} and --steps is {args.steps}", flush=True)
