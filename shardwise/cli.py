@@ -181,6 +181,9 @@ def mesh_args(p) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (adjacent ranks; --nproc / TP is the data-parallel size that "
                         "--strategy acts on): Megatron's column/row-parallel pairs found from the graph")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks: the experts of every MoE layer split over them, tokens sent to their "
+                        "experts by all-to-all (the ep ranks take batches of their own, as dp ranks do)")
     p.add_argument("--sp", action="store_true",
                    help="with --tp: sequence parallelism (the residual stream and norms in sequence shards)")
     p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
@@ -197,7 +200,10 @@ def mesh_of(args):
         raise SystemExit("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1) with it")
     if not args.init_timeout > 0:
         raise SystemExit(f"--init-timeout must be > 0 seconds, got {args.init_timeout}")
-    return sw.mesh(tp=args.tp if args.tp > 1 else None, init_timeout=args.init_timeout)
+    if args.ep < 1 or args.tp < 1:
+        raise SystemExit(f"--ep and --tp take a number of ranks >= 1, got --ep {args.ep} --tp {args.tp}")
+    return sw.mesh(tp=args.tp if args.tp > 1 else None, ep=args.ep if args.ep > 1 else None,
+                   init_timeout=args.init_timeout)
 
 
 def tp_kw(args) -> dict:
@@ -471,6 +477,8 @@ def main(argv=None) -> int:
     if args.cmd == "bench":
         if args.precision == "fp64":
             parser.error("bench: --precision must be fp32 or bf16")
+        if args.ep > 1:
+            parser.error("bench: --ep is not built yet (its peers' expert parallelism is not set up); use train or explain")
         try:  # bad systems, options and settings are told here, before any rank starts
             bench_config(args)
         except ValueError as e:

@@ -118,7 +118,7 @@ def train_main(args) -> None:
         os.environ["SHARDWISE_BACKEND"] = "gloo"
     mesh = mesh_of(args)
     rank = dist.get_rank()
-    drank, dws = mesh.rank("dp"), mesh.size("dp")  # the ranks of one tp group read the same batches
+    drank, dws = mesh.batch_rank(), mesh.batch_ranks  # the ranks of one tp group read the same batches
     model, seq, mp = build_model(args, mesh, **({"vocab": 256} if args.data else {}))
     from shardwise.recipes import adamw_groups, cosine_with_warmup
 

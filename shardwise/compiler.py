@@ -104,6 +104,31 @@ class TensorParallelAxis:
         return self._index[name]
 
 
+class ExpertParallelAxis:
+    """The mesh's ep axis as the compiler partitions for it (passes/ep.py): its ranks, this rank's
+    coordinate, its group and, once the first step is captured, each expert parameter's placement."""
+
+    def __init__(self, ranks: int, rank: int, group):
+        self.ranks, self.rank, self.group = ranks, rank, group
+        self.placements: dict | None = None
+
+
+def expert_parallel_axis(mesh, config: JobConfig) -> ExpertParallelAxis | None:
+    """The job's ep axis, or None where the mesh has none; what does not compose with it yet refused."""
+    ranks = mesh.size("ep")
+    if ranks == 1:
+        return None
+    if mesh.size("tp") > 1:
+        raise ValueError(f"a mesh of ep={ranks} and tp={mesh.size('tp')}: expert and tensor parallelism together "
+                         "are not built yet; use one of them (with dp)")
+    groups = {"offload_optimizer": config.offload, "overlap_update": config.update}
+    for name in NOT_WITH_TP:
+        if getattr(groups[name], name) not in (None, False):
+            raise ValueError(f"{name} does not compose with expert parallelism yet (mesh ep={ranks}): leave it "
+                             "off, or use a mesh of dp alone")
+    return ExpertParallelAxis(ranks, mesh.rank("ep"), mesh.group("ep"))
+
+
 NOT_WITH_TP = ("offload_optimizer", "overlap_update")
 """Options that do not compose with tensor parallelism yet."""
 
@@ -137,6 +162,8 @@ class Compiler:
         self.agree, self.plan, self.device = agree, plan, device
         self.param_dtype, self.loss_fn, self.inductor = param_dtype, loss_fn, inductor
         self.tp, self.on_tp_plan = tp, on_tp_plan
+        self.ep: ExpertParallelAxis | None = None
+        """The ep axis (passes/ep.py), set by the job; its plan is taken by ``on_tp_plan`` too."""
         self.programs: dict[tuple, Compiled] = {}
         self.replanned: dict[tuple, Compiled] = {}
         """Programs of a plan being made again (a budget's check): kept where the new plan is the same."""
@@ -198,6 +225,10 @@ class Compiler:
             return self.ctx
         return dataclasses.replace(self.ctx, graph_budget=share[0], reserve=share[1])
 
+    def _axis(self):
+        """The model-parallel axis the programs are partitioned over (tp or ep)."""
+        return self.tp if self.tp is not None else self.ep
+
     def _partition(self, cap):
         """(The tp-local step (passes/tp.py), its placements, its product policy); the first one fixes
         the plan every later one follows."""
@@ -230,7 +261,8 @@ class Compiler:
     def _agree(self, prog) -> None:
         """The captured single-device graph and the final plan (the rewritten, bucketed, scheduled
         program, whose node order is the order of collectives) must be the same on every rank."""
-        groups = {self.ctx.group: "dp", **({self.tp.group.group_name: "tp"} if self.tp else {})}
+        groups = {self.ctx.group: "dp", **({self.tp.group.group_name: "tp"} if self.tp else {}),
+                  **({self.ep.group.group_name: "ep"} if self.ep else {})}
         cap_hash = hashlib.sha256(rank_free(prog.capture.gm.code, groups).encode()).hexdigest()[:16]
         plan_hash = hashlib.sha256(rank_free(prog.gm.code, groups).encode()).hexdigest()[:16]
         self.agree.same(f"capture {cap_hash} plan {plan_hash}", "graph")
@@ -261,16 +293,23 @@ class Compiler:
                 cap, placements, gather = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
-            # the first tp program under a budget is planned again once the state holds its tp shards
+            if self.ep is not None:
+                from .passes import ep as ep_pass
+
+                cap, placements = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage)
+                if self.ep.placements not in (None, placements):
+                    raise ValueError(f"the experts found in this batch's graph ({sorted(placements)}) are not "
+                                     f"those of the first step's ({sorted(self.ep.placements)})")
+            # the first tp (ep) program under a budget is planned again once the state holds its shards
             # (below): the one every rank agrees on first needs no budget's search
-            first_tp = placements is not None and self.tp.placements is None
+            first_tp = placements is not None and self._axis().placements is None
             ctx = self.ctx if first_tp and self.plan.budget is not None else self._context(tensors, train)
             prog = shard_step(cap, self.strategy, ctx, "step" if mode == "eval" else mode)
             return cap, placements, gather, prog
 
         cap, placements, gather, prog = self._told(first)
         self._agree(prog)
-        if placements is not None and self.tp.placements is None:
+        if placements is not None and self._axis().placements is None:
             # the first program compiled on every rank: the state takes its tp shards only now, so
             # a refused job leaves the model whole
             self.on_tp_plan(placements, gather)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .budget import MemoryPlan, budget_bytes
-from .compiler import Compiler, batch_key, pass_context, tensor_parallel_axis
+from .compiler import Compiler, batch_key, expert_parallel_axis, pass_context, tensor_parallel_axis
 from .config import JobConfig, MemoryOptions, MixedPrecision, OffloadOptions, ScheduleOptions, UpdateOptions
 from .costmodel import CostModel
 from .errors import MeshError
@@ -124,16 +124,15 @@ class Job(Checkpointing, Held):
 
     def __init__(self, model: nn.Module, optimizer: Callable, mesh: Mesh, config: JobConfig):
         for axis, n in mesh.shape.items():
-            if axis not in ("dp", "tp") and n > 1:
-                raise MeshError(f"mesh axis {axis}={n}: this version shards the dp and tp axes; expert "
-                                "parallelism is being built")
+            if axis not in ("dp", "tp", "ep") and n > 1:
+                raise MeshError(f"mesh axis {axis}={n}: this version shards the dp, ep and tp axes")
         self.model, self.mesh, self.config, self.strategy = model, mesh, config, config.strategy
         self.watch_id, self.watchdog, self.steps, self._stepping = next(_JOBS), watchdog(config.timeout), 0, 0
         dp, group = mesh.size("dp"), mesh.group("dp")
         self.group = group
         backend = dist.get_backend(group)
         self.agree = Agreement(dist.group.WORLD)
-        self.tp = tensor_parallel_axis(mesh, config)
+        self.tp, self.ep = tensor_parallel_axis(mesh, config), expert_parallel_axis(mesh, config)
         dev = mesh.device
         self.cost = CostModel.for_job(config.link_profile, dev.type, backend,
                                       torch.cuda.get_device_name(dev) if dev.type == "cuda" else "",
@@ -156,7 +155,7 @@ class Job(Checkpointing, Held):
                                   offload=bool(off.offload_optimizer),
                                   offload_chunk_bytes=int(off.offload_chunk_mb * 2**20),
                                   offload_overlap=off.offload_overlap, fused=upd.fused_optimizer,
-                                  keep_model=self.tp is not None)
+                                  keep_model=self.tp is not None or self.ep is not None)
         self.buffers = dict(model.named_buffers())
         install(self)  # job.model and job.optimizer train only through job.step (runtime/guard.py)
         self.updater = Updater(self.state, dev, group, dp, upd.clip_grad_norm, upd.overlap_update)
@@ -167,7 +166,7 @@ class Job(Checkpointing, Held):
         self.compiler = Compiler(model, self.strategy, self.ctx, self.agree, self.plan, dev, mp.param_dtype,
                                  config.loss_fn, inductor=config.executor == "inductor", tp=self.tp,
                                  on_tp_plan=self._shard_tp)
-        self.compiler.model_inputs = config.model_inputs
+        self.compiler.model_inputs, self.compiler.ep = config.model_inputs, self.ep
         self.compiler.on_compile = self.watchdog.compile_started if self.watchdog else None
         self.node_times: dict[tuple, dict[str, float]] = {}
         """Measured seconds per node of a program (``profile_compute``), by (batch signature, mode)."""
@@ -178,15 +177,17 @@ class Job(Checkpointing, Held):
         """What the last step compiled (a new batch shape): (signature, mode, seconds) each."""
 
     def _shard_tp(self, placements: dict, gather: str) -> None:
-        """The tensor-parallel plan is known (from the first captured step): the state is made again
-        from the model's whole weights, this rank's tp shard of each split one, into the same
-        optimizer (its groups, hyperparameters and schedulers kept; its state, where a checkpoint
-        loaded before the first step gave it one, cut to the tp shards)."""
+        """The tensor-parallel plan, or the ep axis's experts, is known (from the first captured step):
+        the state is made again from the model's whole weights, this rank's shard of each split one,
+        into the same optimizer (its groups, hyperparameters and schedulers kept; its state, where a
+        checkpoint loaded before the first step gave it one, cut to the shards)."""
         from .runtime.state import TensorParallel
 
-        tp, named, old = self.tp, list(self.model.named_parameters()), self.state
-        tp.placements, tp.gather = placements, gather
-        state = TensorParallel(placements, tp.ranks, tp.rank, tp.group)
+        axis, named, old = self.tp or self.ep, list(self.model.named_parameters()), self.state
+        axis.placements = placements
+        if self.tp is not None:
+            self.tp.gather = gather
+        state = TensorParallel(placements, axis.ranks, axis.rank, axis.group)
         shapes = [state.local(n, p).shape for n, p in named]
         self.layouts = layouts_for([n for n, _ in named], shapes, 1 if self.strategy == "ddp" else self.mesh.dp)
         name_of = {id(t): n for n, t in old.opt_tensors.items()}

@@ -76,14 +76,15 @@ def _reference(name, dtype, ws, steps, over, micro, device):
 
 def train_run(name: str, strategy: str, dtype: str, steps: int, over: tuple = (), compile=None, micro: int = 1,
               seed: int | None = None, device: str = "cpu", shard_bucket_mb: float | str | None = "auto", schedule: bool = True,
-              **compile_kw):
+              mesh_kw: tuple = (), **compile_kw):
     """Run on every rank of the pool; returns (losses, full_state_dict on rank 0, job summary).
 
     ``seed=None`` builds the same weights on every rank; ``seed="rank"`` gives each rank other
-    weights (the job must start every rank from rank 0's)."""
+    weights (the job must start every rank from rank 0's). ``mesh_kw``: the mesh's axes (the batch
+    still goes by the global rank: every rank but a tp group's takes its own)."""
     rank = dist.get_rank()
     model = make_model(name, dtype, seed=rank if seed == "rank" else 0, **dict(over)).to(device)
-    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(device=device), compile=compile,
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(device=device, **dict(mesh_kw)), compile=compile,
                      shard_bucket_mb=shard_bucket_mb, schedule=schedule, **compile_kw)
     losses = []
     for s in range(steps):
@@ -1013,3 +1014,41 @@ def random_reference(spec, ws: int, steps: int = 2):
         opt.step()
         losses.append(total)
     return losses, model.state_dict()
+
+
+def ep_refused(case: str):
+    """A job the ep axis refuses: "dense" (the MoE's dense path: no batched expert products), "uneven"
+    (3 experts over ep=2), "tp" (ep and tp together)."""
+    over = {"dense": {"capacity_factor": None}, "uneven": {"capacity_factor": 2.0, "n_expert": 3},
+            "tp": {"capacity_factor": 2.0}}[case]
+    mesh = sw.mesh(ep=2, tp=2) if case == "tp" else sw.mesh(ep=2)
+    job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=mesh)
+    job.step(make_batch("moe", 0, dist.get_rank()))
+
+
+def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str | None = None, **compile_kw):
+    """The tiny fp64 MoE (capacity dispatch ``cf``) on a mesh of dp x ``ep`` ranks, each rank taking the
+    batch of its global rank. Returns (losses, full_state_dict, what rank 0's step program holds: its
+    collectives by (axis, kind, phase), the parameters' local shapes, the bytes of this rank's
+    expert parameters and their optimizer state). ``save``: a checkpoint written there at the end."""
+    from collections import Counter
+
+    from shardwise.sharding.collective import collective_of
+
+    model = make_model("moe", "fp64", capacity_factor=cf)
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(ep=ep), **compile_kw)
+    r = dist.get_rank()
+    losses = [float(job.step(make_batch("moe", s, r))) for s in range(steps)]
+    if save is not None:
+        job.save(save)
+    prog = job.programs()[0]
+    experts = [n for n in job.state.names if ".ffn.w" in n]
+    st = job.state
+    held = st.full if strategy == "ddp" else st.master
+    nbytes = sum(held[n].numel() * held[n].element_size() for n in experts)
+    nbytes += sum(v.numel() * v.element_size() for n in experts for v in job.optimizer.state[st.opt_tensors[n]].values()
+                  if v.dim() > 0)
+    info = {"phases": Counter((c.axis, c.kind, c.phase) for c in map(collective_of, prog.collective_nodes())),
+            "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
+            "expert_bytes": nbytes, "n_layer": len(model.blocks) if hasattr(model, "blocks") else None}
+    return losses, job.full_state_dict(), info

@@ -27,6 +27,7 @@ COLLECTIVE_TARGETS = {
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_reduce.default: "all_reduce",
+    c10d.all_to_all_single.default: "all_to_all",
 }
 
 
@@ -63,6 +64,29 @@ def collective(kind: str, full_bytes: int, ranks: int, phase: str, params=(), ax
         params = (params,)
     return Collective(kind, full_bytes, sent_bytes(kind, full_bytes, ranks), ranks, axis, phase, tuple(params or ()),
                       reason)
+
+
+def retrace(gm: fx.GraphModule, local_shape) -> None:
+    """Clean ``gm`` up, recompile it, and trace every value again on fake inputs, each placeholder's
+    of the shape ``local_shape(placeholder, recorded shape)`` gives (a partition pass's local sizes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        v = ph.meta["val"]
+        shape = list(local_shape(ph, v.shape))
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= max(n, 1)
+        fakes.append(mode.from_tensor(torch.empty_strided(shape, tuple(reversed(stride)), dtype=v.dtype,
+                                                          device=v.device)))
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
 
 
 def restore_topological_order(g: fx.Graph) -> bool:

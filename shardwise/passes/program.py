@@ -141,12 +141,13 @@ class Program:
         return sum(collective_of(n).sent_bytes for n in self.collective_nodes())
 
     def counts(self, axis: str | None = None) -> dict[str, int]:
-        """Collectives of the program by kind; ``axis``: only those over that mesh axis."""
-        out = {k: 0 for k in emit.COLLECTIVE_TARGETS.values()}
+        """Collectives of the program by kind (all-gathers, reduce-scatters and all-reduces always,
+        all-to-alls where there are any); ``axis``: only those over that mesh axis."""
+        out = {k: 0 for k in ("all_gather", "reduce_scatter", "all_reduce")}
         for n in self.collective_nodes():
             c = collective_of(n)
             if axis is None or c.axis == axis:
-                out[c.kind] += 1
+                out[c.kind] = out.get(c.kind, 0) + 1
         return out
 
 

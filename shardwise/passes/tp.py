@@ -218,19 +218,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
         elif n.target is aten.embedding_dense_backward.default and pl.get(n) == Shard(0):
             n.args = (n.args[0], n.args[1], n.args[2] // ranks, *n.args[3:])
     # the inputs' local values, and every value traced again on them
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = []
-    for ph in g.find_nodes(op="placeholder"):
-        v = ph.meta["val"]
-        shape = local_shape(v.shape, pl.get(ph, Replicate()), ranks)
-        fakes.append(mode.from_tensor(torch.empty_strided(shape, _strides(shape), dtype=v.dtype, device=v.device)))
-    g.eliminate_dead_code()
-    g.lint()
-    gm.recompile()
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    emit.retrace(gm, lambda ph, shape: local_shape(shape, pl.get(ph, Replicate()), ranks))
     local = dataclasses.replace(cap, gm=gm, param_shapes=[torch.Size(local_shape(s, by_name[n], ranks))
                                                            for n, s in zip(cap.param_names, cap.param_shapes)],
                                 rank_inputs=[ph.name for ph in index_inputs.values()])
@@ -271,14 +259,6 @@ def _split_dim(n: fx.Node) -> int:
 
 def _device(phs):
     return next((p.meta["val"].device for p in phs if isinstance(p.meta.get("val"), torch.Tensor)), "cpu")
-
-
-def _strides(shape):
-    st, acc = [], 1
-    for s in reversed(shape):
-        st.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(st))
 
 
 def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None, reason=""):

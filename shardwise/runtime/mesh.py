@@ -90,6 +90,15 @@ class Mesh:
         return self.size("dp")
 
     @property
+    def batch_ranks(self) -> int:
+        """Ranks that each take a batch of their own: the dp and ep axes (a tp group shares one)."""
+        return self.size("dp") * self.size("ep")
+
+    def batch_rank(self) -> int:
+        """Which of the ``batch_ranks`` batches this rank takes."""
+        return self.rank("dp") * self.size("ep") + self.rank("ep")
+
+    @property
     def backend(self) -> str:
         return dist.get_backend(self.group(self.axes[0]))
 

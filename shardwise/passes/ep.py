@@ -1,0 +1,257 @@
+"""Expert parallelism: the captured step's experts split over the ep axis of the mesh, tokens moved
+to them and back by all-to-all.
+
+The ranks of an ep line each hold their own micro-batch (the ep axis is data parallel for everything
+but the experts) and ``1/ep`` of every MoE layer's experts. An expert parameter is found from the
+graph: a 3-dim parameter that a batched product (``bmm``) reads as its batch of matrices, one per
+expert (dim 0). The values computed per expert from it form the layer's *expert region*: the batched
+products, the pointwise ops between them and their transposes, in the forward and the backward alike.
+Each rank's region values are ``[E, C, ...]``: all ``E`` experts, this rank's ``C`` token slots (the
+capacity dispatch's buffer). The region runs instead on ``[E/ep, ep*C, ...]``: this rank's experts,
+every rank's slots. So:
+
+1. a value that enters the region (the dispatch buffer; in the backward, the gradient of the
+   combine's input) is sent by all-to-all: expert block ``j`` of it to rank ``j``, the blocks
+   received concatenated along the slot dim;
+2. a value that leaves it (the experts' output; the gradient of the dispatch buffer) comes back by
+   the inverse all-to-all;
+3. a value of an expert parameter's shape made in the region (its gradient) is this rank's experts'
+   whole gradient (a product over every rank's slots): it stays where it is.
+
+Outside the region every value is this rank's own, as under data parallelism: the gradients of the
+other parameters are summed over the ep ranks and every gradient and the loss taken as the mean of
+the ep ranks' (each rank's loss is its micro-batch's mean). The result is a Capture of the ep-local
+step, its expert parameters the ep shards (``Shard(0)``), which the data-parallel strategy passes
+then shard as they would a single device's (ZeRO over the dp axis).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from ..capture import Capture
+from ..sharding import Shard
+from ..sharding.rules.pointwise import is_pointwise
+from . import emit
+
+aten = torch.ops.aten
+_TRANSPOSES = (aten.transpose.int,)
+
+
+class ExpertError(ValueError):
+    """The experts of the graph cannot be split over the ep axis as found (the message says why)."""
+
+
+def experts_of(cap: Capture, ranks: int = 1) -> dict[str, int]:
+    """The expert parameters of ``cap``: {name: number of experts (its dim 0)}; every count must be
+    a multiple of the ep ``ranks``."""
+    g = cap.gm.graph
+    phs = g.find_nodes(op="placeholder")[: cap.n_params]
+    names = dict(zip(phs, cap.param_names))
+    found: dict[str, int] = {}
+    for n in g.nodes:
+        if n.target is not aten.bmm.default:
+            continue
+        for a in n.args:
+            while isinstance(a, fx.Node) and a.target in _TRANSPOSES:
+                a = a.args[0]
+            if a in names and a.meta["val"].dim() == 3:
+                found[names[a]] = a.meta["val"].shape[0]
+    for name, e in found.items():
+        if e % ranks:
+            raise ExpertError(f"ep={ranks} does not divide the {e} experts of {name}: use an ep that divides "
+                              "every MoE layer's expert count")
+    return found
+
+
+def _swapped(d: int | None, n: fx.Node) -> int | None:
+    """The slot dim of ``transpose(x, a, b)``'s output where ``x``'s is ``d``."""
+    if d is None:
+        return None
+    a, b = (x % n.args[0].meta["val"].dim() for x in n.args[1:3])
+    return b if d == a else a if d == b else d
+
+
+def _swap01(g, x, shape, v):
+    """``x`` with dims 0 and 1 swapped (``shape`` after), laid out contiguously."""
+    t = emit.node(g, aten.transpose.int, (x, 0, 1), emit.fake(shape, v.dtype, v.device))
+    return emit.node(g, aten.clone.default, (t,), emit.fake(shape, v.dtype, v.device), memory_format=torch.contiguous_format)
+
+
+def _reshape(g, x, shape, v):
+    return emit.node(g, aten.reshape.default, (x, list(shape)), emit.fake(shape, v.dtype, v.device))
+
+
+def _to_experts(g, x, ranks, group, phase, stage):
+    """``[E, C, ...]`` (this rank's slots of every expert) -> ``[E/ep, ep*C, ...]`` (every rank's
+    slots of this rank's experts): block ``j`` of dim 0 to rank ``j``, received blocks by slot."""
+    v = x.meta["val"]
+    e, c, rest = v.shape[0], v.shape[1], list(v.shape[2:])
+    k = emit.collective("all_to_all", v.numel() * v.dtype.itemsize, ranks, phase, axis="ep",
+                        reason="tokens to their experts")
+    split = [e // ranks] * ranks
+    got = emit.start_and_wait(g, emit.c10d.all_to_all_single.default, (emit.contiguous(g, x), split, split, group),
+                              list(v.shape), v.dtype, v.device, k, stage)
+    # [rank, E/ep, C, ...] -> [E/ep, rank, C, ...] -> [E/ep, ep*C, ...]
+    blocks = _reshape(g, got, [ranks, e // ranks, c, *rest], v)
+    return _reshape(g, _swap01(g, blocks, [e // ranks, ranks, c, *rest], v), [e // ranks, ranks * c, *rest], v)
+
+
+def _from_experts(g, y, ranks, group, phase, stage):
+    """The inverse of ``_to_experts``: ``[E/ep, ep*C, ...]`` -> ``[E, C, ...]``. (``y``'s recorded
+    value is still the whole ``[E, C, ...]``: the values are traced again once all is rewritten.)"""
+    v = y.meta["val"]
+    e, c, rest = v.shape[0], v.shape[1], list(v.shape[2:])
+    el = e // ranks
+    blocks = _reshape(g, y, [el, ranks, c, *rest], v)
+    flat = _reshape(g, _swap01(g, blocks, [ranks, el, c, *rest], v), [e, c, *rest], v)
+    k = emit.collective("all_to_all", v.numel() * v.dtype.itemsize, ranks, phase, axis="ep",
+                        reason="expert outputs back to their tokens")
+    return emit.start_and_wait(g, emit.c10d.all_to_all_single.default, (flat, [el] * ranks, [el] * ranks, group),
+                               list(v.shape), v.dtype, v.device, k, stage)
+
+
+def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | None], list[fx.Node]]:
+    """(the slot dim of each region value, None for one shaped as an expert parameter; the values
+    entering the region, in graph order)."""
+    slot: dict[fx.Node, int | None] = {p: None for p in experts}
+    entries: list[fx.Node] = []
+    known = set(experts)
+
+    def enters(a: fx.Node) -> None:
+        v = a.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dim() < 2:
+            raise ExpertError(f"{a.name} enters an expert region but is not a [experts, slots, ...] batch")
+        if a not in known:
+            entries.append(a)
+            known.add(a)
+            slot[a] = 1
+
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if not any(a in known for a in ins):
+            continue
+        if n.target is aten.bmm.default:
+            a, b = n.args
+            for x in (a, b):
+                if x not in known:
+                    enters(x)
+            # [E, n, k] @ [E, k, m]: slots as a's rows (dim 1) give the product's rows, as b's columns
+            # (dim 2) its columns; a's slot columns times b's slot rows sum over every rank's slots
+            # (a weight's gradient)
+            rule = {(1, None): 1, (None, 2): 2, (2, 1): None, (None, None): None}
+            if (slot[a], slot[b]) not in rule:
+                raise ExpertError(f"{n.name}: a batched product of expert values with slots on dims "
+                                  f"{slot[a]} and {slot[b]} of its operands is not built")
+            slot[n] = rule[slot[a], slot[b]]
+        elif n.target in _TRANSPOSES:
+            slot[n] = _swapped(slot[n.args[0]], n)
+        elif is_pointwise(n) or n.target is aten.silu_backward.default:
+            dims = set()
+            for a in ins:
+                if a in known:
+                    dims.add(slot[a])
+                elif a.meta["val"].dim() > 0:
+                    enters(a)
+                    dims.add(1)
+            if len(dims) > 1:
+                raise ExpertError(f"{n.name} ({n.target}) mixes expert values laid out apart: not built")
+            slot[n] = dims.pop()
+        else:
+            continue
+        known.add(n)
+    return {n: d for n, d in slot.items() if n not in experts}, entries
+
+
+def partition(cap: Capture, ranks: int, group: str, stage: str | None = None) -> tuple[Capture, dict[str, Shard]]:
+    """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring).
+    Returns (its Capture, each expert parameter's placement on the ep axis: ``Shard(0)``)."""
+    from ..capture import forward_nodes
+
+    counts = experts_of(cap, ranks)
+    if not counts:
+        raise ExpertError(f"mesh ep={ranks}: shardwise finds no experts in the model. It finds them as 3-dim "
+                          "parameters [experts, in, out] that batched products (torch.bmm) read, as the built-in "
+                          "MoE's capacity dispatch does; a model without such a layer trains on a mesh without ep")
+    gm = copy.deepcopy(cap.gm)
+    g = gm.graph
+    phs = g.find_nodes(op="placeholder")
+    params = dict(zip(phs[: cap.n_params], cap.param_names))
+    experts = {ph for ph, name in params.items() if name in counts}
+    slot, entries = _region(g, experts)
+    for x in entries:
+        e = x.meta["val"].shape[0]
+        if e not in counts.values():
+            raise ExpertError(f"{x.name} of shape {tuple(x.meta['val'].shape)} enters an expert region, but its "
+                              f"dim 0 is not an expert count ({sorted(set(counts.values()))})")
+    fwd = forward_nodes(gm)
+    region = set(slot) - set(entries)  # the values computed in it
+    out = g.find_nodes(op="output")[0]
+    for x in entries:
+        users = [u for u in x.users if u in region]
+        with g.inserting_before(x.next):
+            moved = _to_experts(g, x, ranks, group, "fwd" if x in fwd else "bwd", stage)
+        for u in users:
+            u.replace_input_with(x, moved)
+    for n in [n for n in g.nodes if n in region]:
+        outside = [u for u in n.users if u not in region]
+        if not outside:
+            continue
+        if slot[n] is None:
+            if any(u is not out for u in outside):
+                raise ExpertError(f"{n.name}, shaped as an expert parameter, is read outside the experts: not built")
+            continue  # an expert parameter's gradient: this rank's experts', whole
+        if slot[n] != 1 or out in outside:
+            raise ExpertError(f"{n.name} leaves an expert region with its slots on dim {slot[n]}: not built")
+        with g.inserting_before(n.next):
+            back = _from_experts(g, n, ranks, group, "fwd" if n in fwd else "bwd", stage)
+        for u in outside:
+            u.replace_input_with(n, back)
+    _mean_over_ranks(g, cap, params, counts, ranks, group, stage)
+    # the inputs' local values (this rank's experts), and every value traced again on them
+    emit.retrace(gm, lambda ph, shape: [shape[0] // ranks, *shape[1:]] if ph in experts else shape)
+    shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in counts else s for n, s in zip(cap.param_names, cap.param_shapes)]
+    return dataclasses.replace(cap, gm=gm, param_shapes=shapes), {n: Shard(0) for n in counts}
+
+
+def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
+    """The loss and every gradient as the mean over the ep ranks: the other parameters' gradients
+    summed over them (one all-reduce per dtype, after the last is made), all scaled by ``1/ep``."""
+    out = g.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    grads = [name for name, t in zip(params.values(), cap.trainable) if t] if len(outs) > 1 else []
+    order = {n: i for i, n in enumerate(g.nodes)}
+    shared = [i + 1 for i, name in enumerate(grads) if name not in counts and isinstance(outs[i + 1], fx.Node)]
+    by_dtype: dict = {}
+    for i in shared:
+        by_dtype.setdefault(outs[i].meta["val"].dtype, []).append(i)
+    for idx in by_dtype.values():
+        last = max((outs[i] for i in idx), key=order.__getitem__)
+        with g.inserting_after(last):
+            anchor = g.call_function(aten.alias.default, (last,))  # keeps the insertion point
+        anchor.meta["val"] = last.meta["val"]
+        with g.inserting_before(anchor):
+            summed = emit.all_reduce_many(g, [outs[i] for i in idx], ranks, group, op="sum", phase="bwd", axis="ep",
+                                          stage=stage, params=tuple(grads[i - 1] for i in idx))
+        g.erase_node(anchor)
+        for i, y in zip(idx, summed):
+            outs[i] = y
+    loss = outs[0]
+    with g.inserting_before(out):
+        v = loss.meta["val"]
+        c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, "bwd", axis="ep",
+                            reason="the loss: the mean of the ep ranks'")
+        outs[0] = emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, loss), "sum", group),
+                                      list(v.shape), v.dtype, v.device, c, stage)
+        for i, x in enumerate(outs[: len(grads) + 1]):
+            if isinstance(x, fx.Node):
+                w = x.meta["val"]
+                outs[i] = emit.node(g, aten.mul.Tensor, (x, 1.0 / ranks), emit.fake(list(w.shape), w.dtype, w.device))
+    out.args = (tuple(outs), *out.args[1:])
+

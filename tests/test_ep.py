@@ -1,0 +1,60 @@
+"""Expert parallelism (issue 24): the built-in MoE's experts split over the ep axis, tokens sent to
+them and back by all-to-all; parity with single-device training, the graph change, the memory."""
+
+import harness
+import pytest
+
+
+def _parity(pools, strategy, ep, ws, cf=2.0, steps=3, **kw):
+    """Losses and final weights of dp x ep training against single-device training that averages the
+    ws ranks' micro-batches (each dispatched under its own capacity, as each rank dispatches)."""
+    over = (("capacity_factor", cf),)
+    ref, ref_sd = harness.reference("moe", "fp64", ws, steps, over)
+    losses, sd, info = pools(ws).run(harness.ep_run, strategy, steps, ep, cf, **kw)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-10, (losses, ref)
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-10
+    assert harness.rel_param_err(sd, harness.make_model("moe", "fp64").state_dict()) > 1e-3  # it trained
+    return info
+
+
+@pytest.mark.parametrize("strategy,ep,ws", [("ddp", 2, 2), ("zero3", 2, 2), ("zero2", 2, 4), ("zero3", 2, 4)])
+def test_expert_parallel_parity_fp64(pools, strategy, ep, ws):
+    """ep=2 alone and dp=2 x ep=2, the dp strategy on the rest; nothing dropped (capacity 2 = E/k)."""
+    info = _parity(pools, strategy, ep, ws)
+    assert info["shapes"]["blocks.0.ffn.w1"][0] == 4 // ep  # this rank's experts only
+
+
+def test_expert_parallel_with_dropped_tokens_equals_one_device_under_the_same_capacity_rule(pools):
+    """Capacity 1: pairs past an expert's capacity are dropped on each rank as one device drops them."""
+    _parity(pools, "zero3", 2, 2, cf=1.0)
+
+
+def test_one_dispatch_and_one_combine_all_to_all_per_moe_layer_and_no_expert_gathered_across_ep(pools):
+    """The graph change: per MoE layer, an all-to-all sends the tokens to their experts and one brings
+    the outputs back in the forward, and the backward has their two transposes, all on the ep axis;
+    nothing is all-gathered over ep. The other parameters' gradients are summed over ep in one
+    all-reduce (and the loss in another); zero3 gathers the expert shards over dp only."""
+    _, _, info = pools(4).run(harness.ep_run, "zero3", 1, 2)[0]
+    layers = info["n_layer"]
+    ep = {k: v for k, v in info["phases"].items() if k[0] == "ep"}
+    assert ep == {("ep", "all_to_all", "fwd"): 2 * layers, ("ep", "all_to_all", "bwd"): 2 * layers,
+                  ("ep", "all_reduce", "bwd"): 2}, ep
+    assert info["phases"][("dp", "all_gather", "fwd")] > 0
+
+
+def test_expert_parameters_and_their_optimizer_state_per_rank_fall_by_ep(pools):
+    """Measured on the state each rank holds: two ranks as dp=2, then as ep=2, under ddp (under
+    zero3 dp=4 and dp=2 x ep=2 hold alike, 1/4 each; ep spares the gathers)."""
+    dp2 = pools(2).run(harness.ep_run, "ddp", 1, 1)[0][2]["expert_bytes"]
+    ep2 = pools(2).run(harness.ep_run, "ddp", 1, 2)[0][2]["expert_bytes"]
+    assert ep2 * 2 == dp2, (dp2, ep2)
+
+
+@pytest.mark.parametrize("case,ranks,says", [
+    ("dense", 2, "mesh ep=2: shardwise finds no experts in the model"),
+    ("uneven", 2, "ep=2 does not divide the 3 experts of blocks.0.ffn.w1: use an ep that divides"),
+    ("tp", 4, "a mesh of ep=2 and tp=2: expert and tensor parallelism together are not built yet"),
+])
+def test_bad_ep_jobs_are_refused_by_name(pools, case, ranks, says):
+    results = pools(ranks).run_all(harness.ep_refused, case)
+    assert all(not ok and says in val[1] for ok, val in results), results
