@@ -139,6 +139,10 @@ def build_model(args, mesh, **overrides):
     import shardwise as sw
 
     torch.manual_seed(args.seed)
+    if getattr(args, "capacity_factor", None) is not None:
+        if args.model != "moe":
+            raise SystemExit(f"--capacity-factor sets the MoE's expert capacity: give it with --model moe, not {args.model}")
+        overrides = {**overrides, "capacity_factor": args.capacity_factor}
     model = sw.models.build(args.model, args.size, **overrides)
     seq = args.seq or model.cfg.seq
     if seq > model.cfg.seq:
@@ -159,6 +163,9 @@ def model_args(p) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16", "fp64"], default="fp32",
                    help="fp32; bf16 = bf16 compute with fp32 master weights and fp32 reduction; fp64")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
+    p.add_argument("--capacity-factor", type=float, default=None, metavar="C",
+                   help="--model moe: capacity dispatch, each expert taking C times its even share of the (token, "
+                        "choice) pairs, the rest dropped (e.g. 1.25; what --ep splits); default: the preset's")
     p.add_argument("--memory-budget", type=memory_size, default=None, metavar="SIZE|FRACTION",
                    help="per-rank memory budget: a size (20GiB, 512MiB, 1.5GB; a bare number above 1 is GiB) or a "
                         "fraction of the device's usable memory (0.8); the plan keeps parameters gathered / "

@@ -28,8 +28,8 @@ def explain(job) -> str:
         measured = job.node_times.get((sig, mode))
         tl, src = job.cost.simulate(prog.gm, measured), "roofline" if measured is None else "measured"
         lines.append(
-            f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; all_gather={c['all_gather']} "
-            f"reduce_scatter={c['reduce_scatter']} all_reduce={c['all_reduce']}; {prog.comm_bytes() / 2**20:.2f} MiB "
+            f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; "
+            + " ".join(f"{k}={v}" for k, v in c.items()) + f"; {prog.comm_bytes() / 2**20:.2f} MiB "
             f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
             f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
         )
@@ -105,7 +105,8 @@ def explain(job) -> str:
             lines.append(f"  {c.kind:15s} {c.axis:2s} {c.phase:5s} {c.sent_bytes / 1024:8.1f}KiB "
                          f"{job.cost.comm_time(n) * 1e6:9.1f}  {c.label[:60]}")
     tp = job.state.tp
-    lines.append("placements (dp axis" + (", tp axis: local shape and placement" if tp else "")
+    axis = "ep" if job.ep is not None else "tp"
+    lines.append("placements (dp axis" + (f", {axis} axis: local shape and placement" if tp else "")
                  + ") and memory decisions:")
     kept = set(job.ctx.keep_gathered)
     for prog in job.programs():
@@ -121,7 +122,7 @@ def explain(job) -> str:
                         else "master+optimizer state on host, updated on the host" if n in st.host
                         else "master+optimizer state on host, streamed")
         if tp is not None:
-            place += f"  tp {tp.placements.get(n, 'R')}"
+            place += f"  {axis} {tp.placements.get(n, 'R')}"
         lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
     g = job.tp.gather_choice if job.tp is not None else None
     if g:

@@ -1052,3 +1052,13 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "expert_bytes": nbytes, "n_layer": len(model.blocks) if hasattr(model, "blocks") else None}
     return losses, job.full_state_dict(), info
+
+
+def ep_resumed(path: str, ep: int, step: int):
+    """A zero2 job of other weights on dp x ``ep`` loads the checkpoint at ``path`` and takes step
+    ``step``: (its loss, full_state_dict)."""
+    mesh = sw.mesh(ep=ep) if ep > 1 else sw.mesh()
+    job = sw.compile(make_model("moe", "fp64", seed=1, capacity_factor=2.0), optimizer=adamw, strategy="zero2",
+                     mesh=mesh)
+    job.load(path)
+    return float(job.step(make_batch("moe", step, dist.get_rank()))), job.full_state_dict()

@@ -51,6 +51,15 @@ def test_train_with_tensor_and_sequence_parallelism(capsys):
     assert "--vocab-parallel cuts the LM head over the tensor-parallel ranks" in capsys.readouterr().err
 
 
+def test_train_with_expert_parallelism():
+    # 2 ranks on the ep axis: each takes batches of its own and holds 2 of the 4 experts of each layer
+    out = run_cli("train", "--model", "moe", "--size", "tiny", "--strategy", "zero3", "--nproc", "2", "--ep", "2",
+                  "--capacity-factor", "1.25", "--steps", "8", "--lr", "1e-2")
+    assert "mesh(dp=1, ep=2" in out and "batch 8x16 per rank" in out
+    losses = [float(m.group(3)) for m in (STEP.search(ln) for ln in out.splitlines() if ln.startswith("step")) if m]
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+
+
 def test_train_checkpoints_and_resumes_bit_identical(tmp_path, capsys):
     """--checkpoint-every/--resume with accumulation, clipping and a cosine schedule: the resumed run's
     last losses and exported weights are the uninterrupted run's, bit for bit."""

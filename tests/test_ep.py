@@ -50,6 +50,17 @@ def test_expert_parameters_and_their_optimizer_state_per_rank_fall_by_ep(pools):
     assert ep2 * 2 == dp2, (dp2, ep2)
 
 
+def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_path):
+    """Saved by ep=2 under zero3 (each rank's experts as pieces of the whole tensors), resumed under
+    zero2 on ep=2 and on dp=2: the next step as the uninterrupted run's."""
+    path = str(tmp_path / "ck")
+    pools(2).run(harness.ep_run, "zero3", 3, 2, 2.0, save=path)
+    full, sd_full, _ = pools(2).run(harness.ep_run, "zero3", 4, 2, 2.0)[0]
+    for ep in (2, 1):
+        loss, sd = pools(2).run(harness.ep_resumed, path, ep, 3)[0]
+        assert abs(loss - full[3]) <= 1e-12 * abs(full[3]) and harness.rel_param_err(sd, sd_full) <= 1e-12, ep
+
+
 @pytest.mark.parametrize("case,ranks,says", [
     ("dense", 2, "mesh ep=2: shardwise finds no experts in the model"),
     ("uneven", 2, "ep=2 does not divide the 3 experts of blocks.0.ffn.w1: use an ep that divides"),

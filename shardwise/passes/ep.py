@@ -92,7 +92,7 @@ def _to_experts(g, x, ranks, group, phase, stage):
     v = x.meta["val"]
     e, c, rest = v.shape[0], v.shape[1], list(v.shape[2:])
     k = emit.collective("all_to_all", v.numel() * v.dtype.itemsize, ranks, phase, axis="ep",
-                        reason="tokens to their experts")
+                        reason="tokens to their experts" if phase == "fwd" else "gradients of the outputs to the experts")
     split = [e // ranks] * ranks
     got = emit.start_and_wait(g, emit.c10d.all_to_all_single.default, (emit.contiguous(g, x), split, split, group),
                               list(v.shape), v.dtype, v.device, k, stage)
@@ -110,7 +110,8 @@ def _from_experts(g, y, ranks, group, phase, stage):
     blocks = _reshape(g, y, [el, ranks, c, *rest], v)
     flat = _reshape(g, _swap01(g, blocks, [ranks, el, c, *rest], v), [e, c, *rest], v)
     k = emit.collective("all_to_all", v.numel() * v.dtype.itemsize, ranks, phase, axis="ep",
-                        reason="expert outputs back to their tokens")
+                        reason="expert outputs back to their tokens" if phase == "fwd"
+                        else "gradients of the inputs back to their tokens")
     return emit.start_and_wait(g, emit.c10d.all_to_all_single.default, (flat, [el] * ranks, [el] * ranks, group),
                                list(v.shape), v.dtype, v.device, k, stage)
 
