@@ -179,6 +179,18 @@ def make_hf(kind: str, dtype: str = "fp64"):
         cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
         model = tf.LlamaForCausalLM(cfg)
+    elif kind.startswith("mixtral"):  # mixtral-<experts implementation>: grouped_mm, batched_mm, eager
+        cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                               num_local_experts=4, num_experts_per_tok=2)
+        model = tf.MixtralForCausalLM(cfg)
+        model.set_experts_implementation(kind.split("-", 1)[1])
+    elif kind == "qwen2_moe":  # routed experts and a gated shared expert
+        cfg = tf.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                                shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+                                num_experts_per_tok=2, decoder_sparse_step=1)
+        model = tf.Qwen2MoeForCausalLM(cfg)
     else:
         cfg = tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -193,11 +205,11 @@ def hf_batch(step: int, rank: int):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_reference(kind: str, ws: int, steps: int):
+def hf_reference(kind: str, ws: int, steps: int, dtype: str = "fp64"):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = make_hf(kind)
+        model = make_hf(kind, dtype)
         opt = adamw(list(model.named_parameters()))
         losses = []
         for s in range(steps):
@@ -214,8 +226,8 @@ def hf_reference(kind: str, ws: int, steps: int):
         torch.set_num_threads(threads)
 
 
-def hf_run(kind: str, strategy: str, steps: int):
-    model = make_hf(kind)
+def hf_run(kind: str, strategy: str, steps: int, dtype: str = "fp64"):
+    model = make_hf(kind, dtype)
     job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh())
     rank = dist.get_rank()
     losses = [float(job.step(hf_batch(s, rank))) for s in range(steps)]

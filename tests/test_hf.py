@@ -22,3 +22,37 @@ def test_hf_zero3_parity(pools, kind):
             assert err <= 1e-10, (k, err)
     if kind == "gpt2":  # tied weights came back as one tensor
         assert (sd["lm_head.weight"] == sd["transformer.wte.weight"]).all()
+
+
+@pytest.mark.parametrize("kind,steps", [("mixtral-grouped_mm", 20), ("qwen2_moe", 20), ("mixtral-batched_mm", 4),
+                                        ("mixtral-eager", 4)])
+def test_hf_moe_models_train_unmodified_under_zero3(pools, kind, steps):
+    """Mixtral's experts through each implementation transformers has (grouped_mm: traced through a
+    reference of plain ops where its tracing rule refuses fp32; the per-expert loop, whose nonzero
+    cannot be traced: through its grouped_mm path, the same math) and Qwen2-MoE (with a shared
+    expert), fp32 (torch's grouped_mm takes no fp64), 2 ranks, against eager single-device training.
+    The attention's k bias is left out: its gradient is zero but for rounding (softmax ignores a
+    per-row shift), which AdamW makes visible."""
+    ref_losses, ref_sd = harness.hf_reference(kind, 2, steps, "fp32")
+    losses, sd = pools(2).run(harness.hf_run, kind, "zero3", steps, "fp32")[0]
+    assert set(sd) == set(ref_sd)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    errs = {k: ((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm().clamp_min(1e-30)).item() for k in ref_sd
+            if ref_sd[k].is_floating_point() and not k.endswith("k_proj.bias")}
+    assert max(errs.values()) <= 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_hf_experts_traced_by_their_static_path_leave_the_model_as_it_was():
+    """The graph change: the per-expert loop's data-dependent nonzero is gone (its grouped path is
+    traced), and so are grouped products in fp32 (their reference of plain products); the model's
+    experts implementation is put back."""
+    import torch
+
+    from shardwise.capture import capture_step
+
+    model = harness.make_hf("mixtral-eager", "fp32")
+    cap = capture_step(model, harness.hf_batch(0, 0))
+    targets = {n.target for n in cap.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten._grouped_mm.default not in targets
+    assert torch.ops.aten.searchsorted.Tensor in targets  # rows to their experts
+    assert model.config._experts_implementation == "eager"

@@ -162,6 +162,122 @@ def _user_frame(exc: BaseException) -> str:
     return "unknown location"
 
 
+def _traced(step, args, model: nn.Module) -> fx.GraphModule:
+    """``make_fx`` of the step. Where it fails on a construct that has a static-shape path of the
+    same math, it is traced again with that path: Hugging Face experts looping over experts (a
+    data-dependent ``nonzero``) through their ``grouped_mm`` implementation, and grouped products in
+    a dtype their tracing rule refuses through ``_grouped_by_rows``."""
+    try:
+        with _quiet_meta_failures():  # the error is raised (and named) by the caller, once
+            return make_fx(step, tracing_mode="real")(*args)
+    except CaptureError:
+        raise
+    except Exception as e:  # noqa: BLE001 - retried once, else raised
+        looped = _hf_looped_experts(model) if _data_dependent(e) else []
+        if not looped and not _grouped_dtype_refused(e):
+            raise
+    with _hf_experts_as(looped, "grouped_mm"), _grouped_products_by_reference(), _quiet_meta_failures():
+        return make_fx(step, tracing_mode="real")(*args)
+
+
+def _data_dependent(e: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or \
+        "data-dependent" in str(e).lower() or "DataDependent" in type(e).__name__
+
+
+def _hf_looped_experts(model: nn.Module) -> list[nn.Module]:
+    """Hugging Face experts modules (``use_experts_implementation``) set to their per-expert loop."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")
+            and getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"]
+
+
+@contextlib.contextmanager
+def _hf_experts_as(mods: list[nn.Module], impl: str):
+    """The experts ``mods`` run their ``impl`` implementation meanwhile (their configs put back after)."""
+    configs = {id(m.config): m.config for m in mods}
+    saved = {k: c._experts_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._experts_implementation = impl
+        yield
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation = saved[k]
+
+
+def _grouped_by_rows(mat_a, mat_b, offs):
+    """``grouped_mm(mat_a, mat_b, offs=offs)`` for a 2-d ``mat_a`` ([rows, k], rows grouped in order,
+    group ``g`` ending at ``offs[g]``) and a 3-d ``mat_b`` ([groups, k, n]), in plain ops with static
+    shapes: every group's product on every row, each row keeping its own group's (the other terms are
+    exact zeros). ``groups`` times the FLOPs: the reference path where the kernel's tracing rule
+    refuses the dtype or device (its meta kernel takes bf16 only)."""
+    rows = torch.arange(mat_a.shape[0], device=mat_a.device)
+    group = torch.searchsorted(offs.to(torch.int64), rows, right=True)
+    out = None
+    for g in range(mat_b.shape[0]):
+        part = (mat_a @ mat_b[g]) * (group == g).unsqueeze(1).to(mat_a.dtype)
+        out = part if out is None else out + part
+    return out
+
+
+@contextlib.contextmanager
+def _grouped_products_by_reference():
+    """``torch.nn.functional.grouped_mm`` and ``torch._grouped_mm`` of a 2-d by 3-d product through
+    ``_grouped_by_rows`` (others as they are), while the step is traced."""
+    import torch.nn.functional as F
+
+    real_f, real_t = getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)
+
+    def wrap(real):
+        def grouped(mat_a, mat_b, *args, offs=None, bias=None, out_dtype=None, **kw):
+            if offs is None and args:
+                offs, args = args[0], args[1:]
+            if mat_a.dim() == 2 and mat_b.dim() == 3 and offs is not None and bias is None and not args and not kw \
+                    and mat_a.dtype != torch.bfloat16:  # the kernel's tracing rule takes bf16
+                out = _grouped_by_rows(mat_a, mat_b, offs)
+                return out if out_dtype is None else out.to(out_dtype)
+            return real(mat_a, mat_b, *args, offs=offs, bias=bias, out_dtype=out_dtype, **kw)
+        return grouped
+
+    try:
+        if real_f is not None:
+            F.grouped_mm = wrap(real_f)
+        if real_t is not None:
+            torch._grouped_mm = wrap(real_t)
+        yield
+    finally:
+        if real_f is not None:
+            F.grouped_mm = real_f
+        if real_t is not None:
+            torch._grouped_mm = real_t
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures():
+    """Fake tensors log every op whose meta kernel raises, with its traceback, before it is raised:
+    a capture that fails says so once, in its CaptureError (a first trace that is retried, not at all)."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _grouped_dtype_refused(e: BaseException) -> bool:
+    """Whether tracing failed on the grouped product's dtype rule (its meta kernel: bf16 only)."""
+    while e is not None:
+        if "Expected inputs of BF16 type" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def capture_step(
     model: nn.Module,
     batch,
@@ -229,14 +345,11 @@ def capture_step(
             f_bufs = [fm.from_tensor(buffers[n]) for n in bnames]
             f_batch = [fm.from_tensor(t) for t in tensors]
             try:
-                gm = make_fx(step, tracing_mode="real")(*f_params, *f_bufs, *f_batch)
+                gm = _traced(step, (*f_params, *f_bufs, *f_batch), model)
             except CaptureError:
                 raise
             except Exception as e:  # noqa: BLE001 - re-raised with the construct and where it is
-                from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-                data_dependent = isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or \
-                    "data-dependent" in str(e).lower() or "DataDependent" in type(e).__name__
+                data_dependent = _data_dependent(e)
                 hint = (" Data-dependent shapes (nonzero, boolean masks, .item() in control flow) cannot be traced "
                         "to one static graph; rewrite the construct with static shapes (built-in MoE layers are "
                         "dropless, or dispatch to a fixed capacity, for this reason).") if data_dependent else ""
