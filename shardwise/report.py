@@ -104,6 +104,7 @@ def explain(job) -> str:
             c = collective_of(n)
             lines.append(f"  {c.kind:15s} {c.axis:2s} {c.phase:5s} {c.sent_bytes / 1024:8.1f}KiB "
                          f"{job.cost.comm_time(n) * 1e6:9.1f}  {c.label[:60]}")
+        lines.extend(_moe_lines(job, prog))
     tp = job.state.tp
     axis = "ep" if job.ep is not None else "tp"
     lines.append("placements (dp axis" + (f", {axis} axis: local shape and placement" if tp else "")
@@ -136,3 +137,24 @@ def explain(job) -> str:
                      f"{h['whole_s'] * 1e3:.3f} ms whole (peak {size_text(h['whole_peak'])}); "
                      "vocab_parallel=True|False decides instead")
     return "\n".join(lines)
+
+
+def _moe_lines(job, prog) -> list[str]:
+    """Per MoE layer the ep axis splits: experts per rank, capacity, slots sent and received per rank
+    by each all-to-all with its predicted time, and the pairs dropped in the last step on this rank
+    (a ``dropped`` buffer beside the experts, as the built-in MoE keeps; ``-`` where none)."""
+    layers = prog.capture.moe_layers
+    if not layers:
+        return []
+    a2a = [n for n in prog.collective_nodes() if collective_of(n).kind == "all_to_all" and collective_of(n).phase == "fwd"]
+    head = f"MoE layer (ep={layers[0]['ranks']})"
+    out = [f"    {head:34s} {'experts':>7s} {'/rank':>5s} {'capacity':>8s} "
+           f"{'slots sent=received/rank':>24s} {'a2a pred µs':>11s} {'dropped':>7s}"]
+    for i, layer in enumerate(layers):
+        prefix = layer["params"][0].rpartition(".")[0]
+        dropped = job.buffers.get(f"{prefix}.dropped" if prefix else "dropped")
+        e, ep, cap = layer["experts"], layer["ranks"], layer["capacity"]
+        t = job.cost.comm_time(a2a[2 * i]) * 1e6 if 2 * i < len(a2a) else float("nan")
+        out.append(f"    {prefix or '(top)':34s} {e:7d} {e // ep:5d} {cap:8d} {e * cap * (ep - 1) // ep:24d} "
+                   f"{t:11.1f} {'-' if dropped is None else int(dropped):>7}")
+    return out

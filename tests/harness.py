@@ -1062,7 +1062,8 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
                   if v.dim() > 0)
     info = {"phases": Counter((c.axis, c.kind, c.phase) for c in map(collective_of, prog.collective_nodes())),
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
-            "expert_bytes": nbytes, "n_layer": len(model.blocks) if hasattr(model, "blocks") else None}
+            "expert_bytes": nbytes, "n_layer": len(model.blocks) if hasattr(model, "blocks") else None,
+            "dropped": {k: int(v) for k, v in job.buffers.items() if k.endswith("dropped")}, "explain": job.explain()}
     return losses, job.full_state_dict(), info
 
 

@@ -22,11 +22,17 @@ def test_expert_parallel_parity_fp64(pools, strategy, ep, ws):
     """ep=2 alone and dp=2 x ep=2, the dp strategy on the rest; nothing dropped (capacity 2 = E/k)."""
     info = _parity(pools, strategy, ep, ws)
     assert info["shapes"]["blocks.0.ffn.w1"][0] == 4 // ep  # this rank's experts only
+    assert info["dropped"] == {"blocks.0.ffn.dropped": 0, "blocks.1.ffn.dropped": 0}
 
 
 def test_expert_parallel_with_dropped_tokens_equals_one_device_under_the_same_capacity_rule(pools):
-    """Capacity 1: pairs past an expert's capacity are dropped on each rank as one device drops them."""
-    _parity(pools, "zero3", 2, 2, cf=1.0)
+    """Capacity 1: pairs past an expert's capacity are dropped on each rank as one device drops them,
+    counted, and told by explain per MoE layer."""
+    info = _parity(pools, "zero3", 2, 2, cf=1.0)
+    assert all(n > 0 for n in info["dropped"].values()) and len(info["dropped"]) == 2
+    rows = [ln.split() for ln in info["explain"].splitlines() if ln.strip().startswith("blocks.0.ffn ")]
+    # experts, per rank, capacity (32 pairs of 2 choices over 4 experts), slots sent per rank, ..., dropped
+    assert rows and rows[0][1:5] == ["4", "2", "16", "32"] and rows[0][-1] == str(info["dropped"]["blocks.0.ffn.dropped"])
 
 
 def test_one_dispatch_and_one_combine_all_to_all_per_moe_layer_and_no_expert_gathered_across_ep(pools):

@@ -51,6 +51,9 @@ class Capture:
     rank_inputs: list[str] = field(default_factory=list)
     """Inputs after the batch's whose values differ by rank (a tensor-parallel rank's indices into a
     dim it slices: passes/tp.py), named ``tp_index_<size>``; the runtime supplies them."""
+    moe_layers: list[dict] = field(default_factory=list)
+    """The MoE layers whose experts the ep axis splits (passes/ep.py): each one's expert parameters,
+    expert count, ep ranks, token slots per expert per rank (capacity) and the all-to-all's bytes."""
 
     @property
     def n_params(self) -> int:

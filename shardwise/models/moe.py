@@ -8,7 +8,7 @@ Two ways to run the experts, both one traced graph (no shape depends on the rout
 - ``capacity_factor=c``: GShard/Switch dispatch. Each expert takes at most
   ``ceil(c * tokens * k / E)`` (token, choice) pairs of the micro-batch, first choices before second
   ones, in token order; a pair past its expert's capacity is dropped (it adds nothing; the residual
-  carries the token). The kept tokens are gathered into an ``[E, capacity, d]`` buffer, the experts
+  carries the token; the buffer ``dropped`` counts them, per micro-batch). The kept tokens are gathered into an ``[E, capacity, d]`` buffer, the experts
   run as batched matrix products on it, and each token gathers its outputs back, weighted by its
   gates. The expert FLOPs are ``c`` times a real MoE layer's. With ``c >= E / k`` nothing is ever
   dropped and the result equals the dense path's.
@@ -57,6 +57,8 @@ class MoEFFN(nn.Module):
         self.w1 = nn.Parameter(torch.randn(e, d, f) * 0.02)
         self.w3 = nn.Parameter(torch.randn(e, d, f) * 0.02)
         self.w2 = nn.Parameter(torch.randn(e, f, d) * 0.02)
+        # the capacity dispatch's (token, choice) pairs dropped in the last micro-batch (not saved)
+        self.register_buffer("dropped", torch.zeros((), dtype=torch.long), persistent=False)
 
     def capacity(self, tokens: int) -> int:
         """(token, choice) pairs each expert takes from a micro-batch of ``tokens`` tokens."""
@@ -82,6 +84,7 @@ class MoEFFN(nn.Module):
         onehot = F.one_hot(choice, e)
         pos = (onehot.cumsum(0) * onehot).sum(-1) - 1  # place in its expert's queue
         dump = e * cap  # one extra slot, never read, for the pairs past capacity
+        self.dropped.copy_((pos >= cap).sum())
         slot = torch.where(pos < cap, choice * cap + pos, torch.full_like(pos, dump))
         # which token fills each slot (n: a zero row), then the experts as batched products
         token = torch.arange(n, device=x.device).repeat(k)

@@ -193,6 +193,7 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None) ->
                               f"dim 0 is not an expert count ({sorted(set(counts.values()))})")
     fwd = forward_nodes(gm)
     region = set(slot) - set(entries)  # the values computed in it
+    layers = [_layer(x, region, params, ranks) for x in entries if x in fwd]
     out = g.find_nodes(op="output")[0]
     for x in entries:
         users = [u for u in x.users if u in region]
@@ -218,7 +219,28 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None) ->
     # the inputs' local values (this rank's experts), and every value traced again on them
     emit.retrace(gm, lambda ph, shape: [shape[0] // ranks, *shape[1:]] if ph in experts else shape)
     shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in counts else s for n, s in zip(cap.param_names, cap.param_shapes)]
-    return dataclasses.replace(cap, gm=gm, param_shapes=shapes), {n: Shard(0) for n in counts}
+    return dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers), {n: Shard(0) for n in counts}
+
+
+def _layer(x: fx.Node, region: set, params: dict, ranks: int) -> dict:
+    """What ``explain`` says of the MoE layer whose dispatch buffer ``x`` is: its expert parameters
+    (the region's forward products read them), experts, ranks, slots per expert per rank, and the
+    bytes of each of its all-to-alls (one rank's whole buffer)."""
+    v = x.meta["val"]
+    names, seen, stack = [], set(), list(x.users)
+    while stack:
+        n = stack.pop()
+        if n in seen or n not in region:
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+        for a in n.args if n.target is aten.bmm.default else ():
+            while isinstance(a, fx.Node) and a.target in _TRANSPOSES:
+                a = a.args[0]
+            if a in params and params[a] not in names:
+                names.append(params[a])
+    return {"params": sorted(names), "experts": v.shape[0], "ranks": ranks, "capacity": v.shape[1],
+            "bytes": v.numel() * v.dtype.itemsize}
 
 
 def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
