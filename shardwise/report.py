@@ -148,8 +148,8 @@ def _moe_lines(job, prog) -> list[str]:
         return []
     a2a = [n for n in prog.collective_nodes() if collective_of(n).kind == "all_to_all" and collective_of(n).phase == "fwd"]
     head = f"MoE layer (ep={layers[0]['ranks']})"
-    out = [f"    {head:34s} {'experts':>7s} {'/rank':>5s} {'capacity':>8s} "
-           f"{'slots sent=received/rank':>24s} {'a2a pred µs':>11s} {'dropped':>7s}"]
+    out = [(f"    {head:34s} {'experts':>7s} {'/rank':>5s} {'capacity':>8s} "
+            f"{'slots sent=received/rank':>24s} {'a2a pred µs':>11s} {'dropped':>7s}")]
     for i, layer in enumerate(layers):
         prefix = layer["params"][0].rpartition(".")[0]
         dropped = job.buffers.get(f"{prefix}.dropped" if prefix else "dropped")
