@@ -1038,7 +1038,8 @@ def ep_refused(case: str):
     job.step(make_batch("moe", 0, dist.get_rank()))
 
 
-def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str | None = None, **compile_kw):
+def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str | None = None, device: str = "cpu",
+           **compile_kw):
     """The tiny fp64 MoE (capacity dispatch ``cf``) on a mesh of dp x ``ep`` ranks, each rank taking the
     batch of its global rank. Returns (losses, full_state_dict, what rank 0's step program holds: its
     collectives by (axis, kind, phase), the parameters' local shapes, the bytes of this rank's
@@ -1047,10 +1048,10 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
 
     from shardwise.sharding.collective import collective_of
 
-    model = make_model("moe", "fp64", capacity_factor=cf)
-    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(ep=ep), **compile_kw)
+    model = make_model("moe", "fp64", capacity_factor=cf).to(device)
+    job = sw.compile(model, optimizer=adamw, strategy=strategy, mesh=sw.mesh(ep=ep, device=device), **compile_kw)
     r = dist.get_rank()
-    losses = [float(job.step(make_batch("moe", s, r))) for s in range(steps)]
+    losses = [float(job.step(tuple(t.to(device) for t in make_batch("moe", s, r)))) for s in range(steps)]
     if save is not None:
         job.save(save)
     prog = job.programs()[0]
@@ -1064,7 +1065,7 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "expert_bytes": nbytes, "n_layer": len(model.blocks) if hasattr(model, "blocks") else None,
             "dropped": {k: int(v) for k, v in job.buffers.items() if k.endswith("dropped")}, "explain": job.explain()}
-    return losses, job.full_state_dict(), info
+    return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, info
 
 
 def ep_resumed(path: str, ep: int, step: int):

@@ -33,6 +33,10 @@ def test_hf_moe_models_train_unmodified_under_zero3(pools, kind, steps):
     expert), fp32 (torch's grouped_mm takes no fp64), 2 ranks, against eager single-device training.
     The attention's k bias is left out: its gradient is zero but for rounding (softmax ignores a
     per-row shift), which AdamW makes visible."""
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
     ref_losses, ref_sd = harness.hf_reference(kind, 2, steps, "fp32")
     losses, sd = pools(2).run(harness.hf_run, kind, "zero3", steps, "fp32")[0]
     assert set(sd) == set(ref_sd)
@@ -47,8 +51,12 @@ def test_hf_experts_traced_by_their_static_path_leave_the_model_as_it_was():
     traced), and so are grouped products in fp32 (their reference of plain products); the model's
     experts implementation is put back."""
     import torch
+    import transformers
 
     from shardwise.capture import capture_step
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
 
     model = harness.make_hf("mixtral-eager", "fp32")
     cap = capture_step(model, harness.hf_batch(0, 0))
