@@ -192,7 +192,7 @@ def _data_dependent(e: BaseException) -> bool:
 
 def _hf_looped_experts(model: nn.Module) -> list[nn.Module]:
     """Hugging Face experts modules (``use_experts_implementation``) set to their per-expert loop."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
             and getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"]
 
 
