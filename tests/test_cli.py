@@ -140,6 +140,9 @@ def test_calibrate_writes_a_profile_that_compile_loads(tmp_path):
     prof = LinkProfile.load(out)
     assert all(prof.busbw[k] > 0 and prof.alpha[k] >= 0 for k in KINDS)
     assert "calibrate over 2 ranks (gloo, cpu)" in prof.source
+    assert "all_to_all:" in text  # measured too: the ep axis's all-to-alls are predicted from it
+    if "all_to_all" in prof.alpha:  # fitted where its times grow with size (gloo on a busy host: not always)
+        assert prof.busbw["all_to_all"] > 0 and prof.time("all_to_all", 1 << 20, 2) > prof.alpha["all_to_all"]
 
 
 def test_explain_prints_the_plan():

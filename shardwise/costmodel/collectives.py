@@ -201,7 +201,8 @@ class LinkProfile:
 
     name: str
     alpha: dict = field(default_factory=dict)
-    """Seconds of fixed cost per call, by kind."""
+    """Seconds of fixed cost per call, by kind (``all_to_all`` where measured; else it is predicted
+    from the all-gather's figures)."""
     busbw: dict = field(default_factory=dict)
     """Bus bandwidth in bytes/s, by kind."""
     source: str = ""
@@ -253,7 +254,8 @@ class LinkProfile:
         return None if not self.host else HostLink(self.host["h2d"], self.host["d2h"], self.host["both"], self.source)
 
     def __str__(self) -> str:
-        parts = [f"{k} α={self.alpha[k] * 1e6:.1f}µs busbw={self.busbw[k] / 1e9:.1f}GB/s" for k in KINDS]
+        parts = [f"{k} α={self.alpha[k] * 1e6:.1f}µs busbw={self.busbw[k] / 1e9:.1f}GB/s"
+                 for k in (*KINDS, "all_to_all") if k in self.alpha]
         if self.host:
             parts.append(f"host link h2d {self.host['h2d'] / 1e9:.1f} d2h {self.host['d2h'] / 1e9:.1f} "
                          f"both {self.host['both'] / 1e9:.1f} GB/s")
@@ -311,7 +313,8 @@ def _timed(fn, device: torch.device, iters: int) -> float:
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, sizes: list[int], iters: int = 10,
               dtype: torch.dtype = torch.bfloat16, name: str = "measured") -> tuple[LinkProfile, dict]:
-    """Measure every kind over ``sizes`` (full-tensor bytes) on ``group``; every rank must call it.
+    """Measure every kind (and all-to-all) over ``sizes`` (full-tensor bytes) on ``group``; every rank
+    must call it.
 
     Times are the maximum over ranks, so every rank gets the same profile (DESIGN.md invariant 2).
     Returns the fitted profile and the raw samples.
@@ -319,7 +322,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, sizes: list[int], 
     n = dist.get_world_size(group)
     c10d = torch.ops._c10d_functional
     gname = group.group_name
-    samples: dict[str, list] = {k: [] for k in KINDS}
+    samples: dict[str, list] = {k: [] for k in (*KINDS, "all_to_all")}
     for nbytes in sizes:
         numel = max(n, (nbytes // dtype.itemsize) // n * n)
         full = torch.ones(numel, dtype=dtype, device=device)
@@ -328,14 +331,22 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, sizes: list[int], 
             "all_gather": lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, n, gname)),
             "reduce_scatter": lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "sum", n, gname)),
             "all_reduce": lambda: c10d.wait_tensor(c10d.all_reduce(full, "sum", gname)),
+            # one rank's whole buffer, an equal block to every rank (the ep axis's dispatch and combine)
+            "all_to_all": lambda: c10d.wait_tensor(c10d.all_to_all_single(full, [numel // n] * n, [numel // n] * n,
+                                                                          gname)),
         }
         for k, fn in ops.items():
             t = torch.tensor([_timed(fn, device, iters)], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             samples[k].append((numel * dtype.itemsize, float(t)))
     alpha, busbw = {}, {}
-    for k in KINDS:
-        alpha[k], busbw[k] = fit(samples[k], k, n)
+    for k in samples:
+        try:
+            alpha[k], busbw[k] = fit(samples[k], k, n)
+        except ValueError:
+            if k in KINDS:
+                raise
+            # an all-to-all too noisy to fit keeps the all-gather's figures (the profile's default for it)
     src = f"shardwise calibrate over {n} ranks ({dist.get_backend(group)}, {device.type}), {time.strftime('%Y-%m-%d')}"
     from .hostlink import measure as measure_host
 
