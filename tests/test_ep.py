@@ -35,6 +35,16 @@ def test_expert_parallel_with_dropped_tokens_equals_one_device_under_the_same_ca
     assert rows and rows[0][1:5] == ["4", "2", "16", "32"] and rows[0][-1] == str(info["dropped"]["blocks.0.ffn.dropped"])
 
 
+def test_expert_parallel_gradient_accumulation_parity(pools):
+    """Two micro-batches per step with drops (zero3 on a dp axis of one): the ep collectives run in
+    every micro-batch's program, the dp reduction once."""
+    over = (("capacity_factor", 1.0),)
+    ref, ref_sd = harness.reference("moe", "fp64", 2, 3, over, micro=2)
+    losses, sd, _ = pools(2).run(harness.train_run, "moe", "zero3", "fp64", 3, over, None, 2, mesh_kw=(("ep", 2),))[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-10
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-10
+
+
 def test_one_dispatch_and_one_combine_all_to_all_per_moe_layer_and_no_expert_gathered_across_ep(pools):
     """The graph change: per MoE layer, an all-to-all sends the tokens to their experts and one brings
     the outputs back in the forward, and the backward has their two transposes, all on the ep axis;
