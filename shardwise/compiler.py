@@ -286,17 +286,23 @@ class Compiler:
             self.on_compile()
 
         def first():
+            from .passes import ep as ep_pass
+
+            traced_ep = self.ep is not None and bool(ep_pass.hf_experts(self.model))
+            forwards, shapes, counts = (ep_pass.hf_forwards(self.model, self.ep.ranks, self.ep.rank, self.ep.group)
+                                        if traced_ep else (None, None, None))
             cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
-                               param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device)
+                               param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device,
+                               forwards=forwards, shapes=shapes)
             placements = gather = None
             if self.tp is not None:
                 cap, placements, gather = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
-            if self.ep is not None:
-                from .passes import ep as ep_pass
-
-                cap, placements = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage)
+            if self.ep is not None:  # experts split as traced (Hugging Face's), or by the graph's rewrite
+                cap, placements = (ep_pass.finish_traced(cap, counts, self.ep.ranks, self.ep.group.group_name)
+                                   if traced_ep else
+                                   ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage))
                 if self.ep.placements not in (None, placements):
                     raise ValueError(f"the experts found in this batch's graph ({sorted(placements)}) are not "
                                      f"those of the first step's ({sorted(self.ep.placements)})")

@@ -156,6 +156,10 @@ class Job(Checkpointing, Held):
                                   offload_chunk_bytes=int(off.offload_chunk_mb * 2**20),
                                   offload_overlap=off.offload_overlap, fused=upd.fused_optimizer,
                                   keep_model=self.tp is not None or self.ep is not None)
+        if self.ep is not None:  # after the broadcast: each rank's own (passes/ep.py)
+            from .passes.ep import add_rank_buffers
+
+            add_rank_buffers(model, self.ep.ranks, self.ep.rank)
         self.buffers = dict(model.named_buffers())
         install(self)  # job.model and job.optimizer train only through job.step (runtime/guard.py)
         self.updater = Updater(self.state, dev, group, dp, upd.clip_grad_norm, upd.overlap_update)

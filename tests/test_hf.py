@@ -64,3 +64,24 @@ def test_hf_experts_traced_by_their_static_path_leave_the_model_as_it_was():
     assert torch.ops.aten.nonzero.default not in targets and torch.ops.aten._grouped_mm.default not in targets
     assert torch.ops.aten.searchsorted.Tensor in targets  # rows to their experts
     assert model.config._experts_implementation == "eager"
+
+
+@pytest.mark.parametrize("kind,steps", [("mixtral-grouped_mm", 20), ("qwen2_moe", 20), ("mixtral-eager", 4)])
+def test_hf_moe_models_with_expert_parallelism(pools, kind, steps):
+    """ep=2 (zero3 on a dp axis of one): each rank holds half of every layer's experts; the pairs of
+    both ranks are gathered to every rank's experts (dropless: the group sizes follow the routing)
+    and the outputs summed back by a reduce-scatter, one of each per layer (their transposes in the
+    backward). Against eager single-device fp32 training of both ranks' batches."""
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
+    ref_losses, ref_sd = harness.hf_reference(kind, 2, steps, "fp32")
+    losses, sd, comm, shapes = pools(2).run(harness.hf_ep_run, kind, "zero3", steps)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    errs = {k: ((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm().clamp_min(1e-30)).item() for k in ref_sd
+            if ref_sd[k].is_floating_point() and not k.endswith("k_proj.bias")}
+    assert max(errs.values()) <= 1e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    assert shapes and all(s[0] == 2 for s in shapes.values())  # 2 of the 4 experts on each rank
+    layers = 2
+    assert comm[("all_gather", "fwd")] == 3 * layers and comm[("reduce_scatter", "fwd")] == layers, comm

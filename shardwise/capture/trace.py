@@ -165,6 +165,19 @@ def _user_frame(exc: BaseException) -> str:
     return "unknown location"
 
 
+@contextlib.contextmanager
+def _forwards(forwards: dict | None):
+    """Each module of ``forwards`` called through its function meanwhile."""
+    forwards = forwards or {}
+    try:
+        for m, fn in forwards.items():
+            m.forward = fn
+        yield
+    finally:
+        for m in forwards:
+            del m.forward
+
+
 def _traced(step, args, model: nn.Module) -> fx.GraphModule:
     """``make_fx`` of the step. Where it fails on a construct that has a static-shape path of the
     same math, it is traced again with that path: Hugging Face experts looping over experts (a
@@ -291,11 +304,16 @@ def capture_step(
     train: bool = True,
     with_grads: bool = True,
     device: torch.device | None = None,
+    forwards: dict | None = None,
+    shapes: dict | None = None,
 ) -> Capture:
     """Trace ``loss = model(batch); grads = d loss / d params`` on fake tensors into one graph.
 
     Parameters released to the ``meta`` device (as zero3 does with the full weights) are traced
-    as if on ``device``.
+    as if on ``device``. ``forwards`` ({module: function}) traces those modules through the
+    functions instead of their own forwards, and ``shapes`` ({parameter name: shape}) traces those
+    parameters with those shapes: a partition that must be made while tracing (passes/ep.py, for
+    experts whose dispatch the graph cannot show statically) says so.
 
     Example::
 
@@ -321,7 +339,7 @@ def capture_step(
         b = pytree.tree_unflatten(leaves, spec)
         state = dict(zip(pnames, p_in))
         state.update(zip(bnames, b_in))
-        with _reparametrize_module(model, state, tie_weights=True), tracing():
+        with _reparametrize_module(model, state, tie_weights=True), tracing(), _forwards(forwards):
             out = call_model(model, select_inputs(b, model_inputs))
             loss = extract_loss(out, b, loss_fn)
             if not with_grads:
@@ -344,7 +362,9 @@ def capture_step(
                 f = torch.empty_strided(t.shape, t.stride(), dtype=dt, device=dev)
                 return f.requires_grad_(requires_grad and with_grads)
 
-            f_params = [fake(params[n], param_dtype, tr) for n, tr in zip(pnames, trainable)]
+            shaped = {n: torch.empty(tuple(shape), dtype=params[n].dtype, device="meta" if device is not None
+                                     else params[n].device) for n, shape in (shapes or {}).items()}
+            f_params = [fake(shaped.get(n, params[n]), param_dtype, tr) for n, tr in zip(pnames, trainable)]
             f_bufs = [fm.from_tensor(buffers[n]) for n in bnames]
             f_batch = [fm.from_tensor(t) for t in tensors]
             try:
@@ -373,7 +393,7 @@ def capture_step(
         buffer_names=bnames,
         batch_spec=spec,
         batch_consts=consts,
-        param_shapes=[params[n].shape for n in pnames],
+        param_shapes=[torch.Size((shapes or {}).get(n, params[n].shape)) for n in pnames],
         param_dtype=param_dtype,
     )
     check_no_input_mutation(cap)

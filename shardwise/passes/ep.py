@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from ..capture import Capture
 from ..sharding import Shard
+from ..sharding.collective import collective_of, mark
 from ..sharding.rules.pointwise import is_pointwise
 from . import emit
 
@@ -278,3 +279,107 @@ def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
                 outs[i] = emit.node(g, aten.mul.Tensor, (x, 1.0 / ranks), emit.fake(list(w.shape), w.dtype, w.device))
     out.args = (tuple(outs), *out.args[1:])
 
+
+
+# -- experts whose dispatch the graph cannot show statically (Hugging Face's) ------------------------
+
+def hf_experts(model) -> list[tuple[str, object]]:
+    """The Hugging Face experts modules of ``model`` (``use_experts_implementation``'s): (name, module)."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "num_experts")]
+
+
+def add_rank_buffers(model, ranks: int, rank: int) -> None:
+    """Each Hugging Face experts module gets ``ep_first_expert``: this rank's first expert on the ep
+    axis (a buffer, not saved), which ``hf_forwards`` reads."""
+    for _, m in hf_experts(model):
+        first = torch.tensor(rank * (m.num_experts // ranks), dtype=torch.long, device=next(m.parameters()).device)
+        m.register_buffer("ep_first_expert", first, persistent=False)
+
+
+def hf_forwards(model, ranks: int, rank: int, group) -> tuple[dict, dict, dict[str, int]]:
+    """Forwards that split Hugging Face experts over the ep axis as the step is traced, dropless:
+    every ep rank's (token, choice) pairs are gathered (tokens, expert ids, gates), each rank runs
+    the experts' own implementation on all of them with its ``E/ep`` experts (a pair of another
+    rank's expert takes gate 0, so it adds nothing), and the outputs are summed back to their ranks
+    by a reduce-scatter. Their group sizes depend on the routing, so this is the worst case the
+    buffers are sized for: every pair on every rank. Returns (forwards by module, the expert
+    parameters' local shapes, their expert counts)."""
+    from torch.distributed import _functional_collectives as fc
+
+    forwards, shapes, counts = {}, {}, {}
+    for prefix, m in hf_experts(model):
+        e = m.num_experts
+        if e % ranks:
+            raise ExpertError(f"ep={ranks} does not divide the {e} experts of {prefix}: use an ep that divides "
+                              "every MoE layer's expert count")
+        el = e // ranks
+        for n, p in m.named_parameters(recurse=False):
+            if p.dim() >= 1 and p.shape[0] == e:
+                name = f"{prefix}.{n}" if prefix else n
+                shapes[name], counts[name] = (el, *p.shape[1:]), e
+
+        def forward(hidden, top_k_index, top_k_weights, _m=m, _el=el):
+            tokens = _gather_autograd(fc, hidden, 0, group)
+            # this rank's first expert is a buffer (an input), not a number: the graph is every rank's
+            ids = getattr(fc, "all_gather_single", fc.all_gather_tensor)(top_k_index, 0, group) - _m.ep_first_expert
+            mine = (ids >= 0) & (ids < _el)
+            gates = _gather_autograd(fc, top_k_weights, 0, group) * mine.to(top_k_weights.dtype)
+            saved, _m.num_experts = _m.num_experts, _el
+            try:
+                out = type(_m).forward(_m, tokens, ids.clamp(0, _el - 1), gates)
+            finally:
+                _m.num_experts = saved
+            return _scatter_autograd(fc, out, "sum", 0, group)
+
+        forwards[m] = forward
+    return forwards, shapes, counts
+
+
+def _gather_autograd(fc, x, dim, group):
+    """torch's differentiable all-gather (``all_gather_single_autograd`` where it has it)."""
+    fn = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    return fn(x, dim, group)
+
+
+def _scatter_autograd(fc, x, op, dim, group):
+    """torch's differentiable reduce-scatter (``reduce_scatter_single_autograd`` where it has it)."""
+    fn = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+    return fn(x, op, dim, group)
+
+
+_AUTOGRAD = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_to_all_single": "all_to_all"}
+
+
+def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str) -> tuple[Capture, dict[str, Shard]]:
+    """The ep-local step traced through ``hf_forwards``: its collectives made the plain functional ones
+    the passes read (named, by kind, phase and bytes, on the ep axis), and the other gradients and
+    the loss averaged over the ep ranks (``partition``'s last step)."""
+    from ..capture import forward_nodes
+
+    gm = copy.deepcopy(cap.gm)
+    g = gm.graph
+    fwd = forward_nodes(gm)
+    auto = getattr(torch.ops, "_c10d_functional_autograd", None)
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        kind = next((k for name, k in _AUTOGRAD.items() if auto is not None and n.target is getattr(
+            getattr(auto, name, None), "default", None)), None)
+        if kind is not None:
+            n.target = getattr(emit.c10d, next(k for k, v in _AUTOGRAD.items() if v == kind)).default
+        kind = emit.COLLECTIVE_TARGETS.get(n.target)
+        if kind is None or collective_of(n) is not None:
+            continue
+        v = n.meta["val"] if kind != "reduce_scatter" else n.args[0].meta["val"]
+        what = {"all_gather": "every rank's pairs to every rank's experts", "reduce_scatter": "expert outputs "
+                "summed back to their ranks"}.get(kind, "")
+        mark(n, emit.collective(kind, v.numel() * v.dtype.itemsize, ranks, "fwd" if n in fwd else "bwd",
+                                     axis="ep", reason=what if n in fwd else f"gradients: {what}"))
+    phs = g.find_nodes(op="placeholder")
+    _mean_over_ranks(g, cap, dict(zip(phs[: cap.n_params], cap.param_names)), counts, ranks, group, None)
+    g.eliminate_dead_code()
+    g.lint()
+    gm.recompile()
+    return dataclasses.replace(cap, gm=gm), {n: Shard(0) for n in counts}
