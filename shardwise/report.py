@@ -140,21 +140,30 @@ def explain(job) -> str:
 
 
 def _moe_lines(job, prog) -> list[str]:
-    """Per MoE layer the ep axis splits: experts per rank, capacity, slots sent and received per rank
-    by each all-to-all with its predicted time, and the pairs dropped in the last step on this rank
-    (a ``dropped`` buffer beside the experts, as the built-in MoE keeps; ``-`` where none)."""
+    """Per MoE layer the ep axis splits: how its pairs reach the experts (a capacity dispatch's
+    all-to-all, or every pair gathered: dropless), experts per rank, capacity, what the layer's
+    forward collectives send per rank and their predicted time, and the pairs dropped in the last
+    step on this rank (a ``dropped`` buffer beside the experts, as the built-in MoE keeps; ``-``
+    where none)."""
     layers = prog.capture.moe_layers
     if not layers:
         return []
-    a2a = [n for n in prog.collective_nodes() if collective_of(n).kind == "all_to_all" and collective_of(n).phase == "fwd"]
+    fwd = [n for n in prog.collective_nodes() if collective_of(n).axis == "ep" and collective_of(n).phase == "fwd"
+           and collective_of(n).kind != "all_reduce"]
     head = f"MoE layer (ep={layers[0]['ranks']})"
-    out = [(f"    {head:34s} {'experts':>7s} {'/rank':>5s} {'capacity':>8s} "
-            f"{'slots sent=received/rank':>24s} {'a2a pred µs':>11s} {'dropped':>7s}")]
-    for i, layer in enumerate(layers):
+    out = [(f"    {head:34s} {'dispatch':>9s} {'experts':>7s} {'/rank':>5s} {'capacity':>8s} "
+            f"{'fwd sent/rank':>13s} {'pred µs':>8s} {'dropped':>7s}")]
+    at = 0
+    for layer in layers:
         prefix = layer["params"][0].rpartition(".")[0]
         dropped = job.buffers.get(f"{prefix}.dropped" if prefix else "dropped")
-        e, ep, cap = layer["experts"], layer["ranks"], layer["capacity"]
-        t = job.cost.comm_time(a2a[2 * i]) * 1e6 if 2 * i < len(a2a) else float("nan")
-        out.append(f"    {prefix or '(top)':34s} {e:7d} {e // ep:5d} {cap:8d} {e * cap * (ep - 1) // ep:24d} "
-                   f"{t:11.1f} {'-' if dropped is None else int(dropped):>7}")
+        e, ep, cap, k = layer["experts"], layer["ranks"], layer["capacity"], layer["fwd_collectives"]
+        mine, at = fwd[at:at + k], at + k
+        sent = sum(collective_of(n).sent_bytes for n in mine)
+        t = sum(job.cost.comm_time(n) for n in mine) * 1e6
+        out.append(f"    {prefix or '(top)':34s} {'capacity' if cap else 'dropless':>9s} {e:7d} {e // ep:5d} "
+                   f"{cap if cap else '-':>8} {sent / 1024:10.1f}KiB {t:8.1f} {'-' if dropped is None else int(dropped):>7}")
+    if any(not layer["capacity"] for layer in layers):
+        out.append("    dropless: the experts' group sizes follow the routing, so every rank's pairs go to every "
+                   "rank (buffers for the worst case)")
     return out

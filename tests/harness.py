@@ -1090,4 +1090,4 @@ def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2):
     prog = job.programs()[0]
     cs = Counter((c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()) if c.axis == "ep")
     shapes = {n: tuple(s) for n, s in zip(prog.capture.param_names, prog.capture.param_shapes) if "experts" in n}
-    return losses, job.full_state_dict(), cs, shapes
+    return losses, job.full_state_dict(), cs, shapes, job.explain()

@@ -31,8 +31,8 @@ def test_expert_parallel_with_dropped_tokens_equals_one_device_under_the_same_ca
     info = _parity(pools, "zero3", 2, 2, cf=1.0)
     assert all(n > 0 for n in info["dropped"].values()) and len(info["dropped"]) == 2
     rows = [ln.split() for ln in info["explain"].splitlines() if ln.strip().startswith("blocks.0.ffn ")]
-    # experts, per rank, capacity (32 pairs of 2 choices over 4 experts), slots sent per rank, ..., dropped
-    assert rows and rows[0][1:5] == ["4", "2", "16", "32"] and rows[0][-1] == str(info["dropped"]["blocks.0.ffn.dropped"])
+    # dispatch, experts, per rank, capacity (32 tokens' 2 choices over 4 experts), ..., dropped
+    assert rows and rows[0][1:5] == ["capacity", "4", "2", "16"] and rows[0][-1] == str(info["dropped"]["blocks.0.ffn.dropped"])
 
 
 def test_expert_parallel_gradient_accumulation_parity(pools):

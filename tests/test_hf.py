@@ -77,7 +77,7 @@ def test_hf_moe_models_with_expert_parallelism(pools, kind, steps):
     if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
         pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
     ref_losses, ref_sd = harness.hf_reference(kind, 2, steps, "fp32")
-    losses, sd, comm, shapes = pools(2).run(harness.hf_ep_run, kind, "zero3", steps)[0]
+    losses, sd, comm, shapes, explain = pools(2).run(harness.hf_ep_run, kind, "zero3", steps)[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
     errs = {k: ((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm().clamp_min(1e-30)).item() for k in ref_sd
             if ref_sd[k].is_floating_point() and not k.endswith("k_proj.bias")}
@@ -85,3 +85,6 @@ def test_hf_moe_models_with_expert_parallelism(pools, kind, steps):
     assert shapes and all(s[0] == 2 for s in shapes.values())  # 2 of the 4 experts on each rank
     layers = 2
     assert comm[("all_gather", "fwd")] == 3 * layers and comm[("reduce_scatter", "fwd")] == layers, comm
+    rows = [ln.split() for ln in explain.splitlines() if ln.strip().startswith("model.layers.")
+            and "dropless" in ln]
+    assert len(rows) == layers and rows[0][1:5] == ["dropless", "4", "2", "-"], explain

@@ -241,7 +241,7 @@ def _layer(x: fx.Node, region: set, params: dict, ranks: int) -> dict:
             if a in params and params[a] not in names:
                 names.append(params[a])
     return {"params": sorted(names), "experts": v.shape[0], "ranks": ranks, "capacity": v.shape[1],
-            "bytes": v.numel() * v.dtype.itemsize}
+            "bytes": v.numel() * v.dtype.itemsize, "fwd_collectives": 2}
 
 
 def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
@@ -382,4 +382,9 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str) 
     g.eliminate_dead_code()
     g.lint()
     gm.recompile()
-    return dataclasses.replace(cap, gm=gm), {n: Shard(0) for n in counts}
+    by_module: dict[str, list[str]] = {}
+    for name in counts:  # the experts' parameters, by the module that holds them, in model order
+        by_module.setdefault(name.rpartition(".")[0], []).append(name)
+    layers = [{"params": sorted(names), "experts": counts[names[0]], "ranks": ranks, "capacity": None,
+               "fwd_collectives": 4} for names in by_module.values()]  # tokens, ids, gates in; outputs back
+    return dataclasses.replace(cap, gm=gm, moe_layers=layers), {n: Shard(0) for n in counts}
