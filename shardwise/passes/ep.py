@@ -23,6 +23,10 @@ other parameters are summed over the ep ranks and every gradient and the loss ta
 the ep ranks' (each rank's loss is its micro-batch's mean). The result is a Capture of the ep-local
 step, its expert parameters the ep shards (``Shard(0)``), which the data-parallel strategy passes
 then shard as they would a single device's (ZeRO over the dp axis).
+
+Hugging Face experts (``use_experts_implementation``) sort their pairs by expert into groups whose
+sizes follow the routing, which no static graph rewrite can move: they are split as the step is
+traced instead (``hf_forwards``), dropless, and the traced collectives named after (``finish_traced``).
 """
 
 from __future__ import annotations
