@@ -169,13 +169,17 @@ def _user_frame(exc: BaseException) -> str:
 def _forwards(forwards: dict | None):
     """Each module of ``forwards`` called through its function meanwhile."""
     forwards = forwards or {}
+    own = {m: m.__dict__.get("forward") for m in forwards}  # a forward set on the instance, kept
     try:
         for m, fn in forwards.items():
             m.forward = fn
         yield
     finally:
-        for m in forwards:
-            del m.forward
+        for m, fn in own.items():
+            if fn is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = fn
 
 
 def _traced(step, args, model: nn.Module) -> fx.GraphModule:
