@@ -1091,3 +1091,23 @@ def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2):
     cs = Counter((c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()) if c.axis == "ep")
     shapes = {n: tuple(s) for n, s in zip(prog.capture.param_names, prog.capture.param_shapes) if "experts" in n}
     return losses, job.full_state_dict(), cs, shapes, job.explain()
+
+
+def hf_ep_overlap():
+    """Qwen2-MoE on ep=2: (position of the first ep collective's start, of the shared expert's first
+    product, of the collective's first reader) in the ep-local step's graph."""
+    from shardwise.sharding.collective import collective_of
+
+    job = sw.compile(make_hf("qwen2_moe", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(ep=2))
+    job.step(hf_batch(0, dist.get_rank()))
+    cap = job.programs()[0].capture
+    nodes = list(cap.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    phs = dict(zip(cap.param_names, cap.gm.graph.find_nodes(op="placeholder")))
+    w = phs["model.layers.0.mlp.shared_expert.gate_proj.weight"]
+    reads = [u for t in w.users for u in (t, *t.users)]
+    product = min((u for u in reads if u.target is torch.ops.aten.mm.default), key=pos.get)
+    start = next(n for n in nodes if n.op == "call_function" and collective_of(n) is not None
+                 and collective_of(n).axis == "ep")
+    first_read = min(next(iter(start.users)).users, key=pos.get)
+    return pos[start], pos[product], pos[first_read]

@@ -88,3 +88,15 @@ def test_hf_moe_models_with_expert_parallelism(pools, kind, steps):
     rows = [ln.split() for ln in explain.splitlines() if ln.strip().startswith("model.layers.")
             and "dropless" in ln]
     assert len(rows) == layers and rows[0][1:5] == ["dropless", "4", "2", "-"], explain
+
+
+def test_an_ep_collective_starts_as_soon_as_its_input_is_made_so_the_shared_expert_overlaps_it(pools):
+    """The graph change: Qwen2-MoE computes its shared expert before its routed ones; the gather of
+    the tokens for the routed experts is started before the shared expert's products, and first
+    read after them."""
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
+    start, shared, read = pools(2).run(harness.hf_ep_overlap)[0]
+    assert start < shared < read, (start, shared, read)

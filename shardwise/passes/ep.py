@@ -221,6 +221,7 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None) ->
         for u in outside:
             u.replace_input_with(n, back)
     _mean_over_ranks(g, cap, params, counts, ranks, group, stage)
+    issue_early(g)
     # the inputs' local values (this rank's experts), and every value traced again on them
     emit.retrace(gm, lambda ph, shape: [shape[0] // ranks, *shape[1:]] if ph in experts else shape)
     shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in counts else s for n, s in zip(cap.param_names, cap.param_shapes)]
@@ -246,6 +247,40 @@ def _layer(x: fx.Node, region: set, params: dict, ranks: int) -> dict:
                 names.append(params[a])
     return {"params": sorted(names), "experts": v.shape[0], "ranks": ranks, "capacity": v.shape[1],
             "bytes": v.numel() * v.dtype.itemsize, "fwd_collectives": 2}
+
+
+_LIGHT = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+          aten.contiguous.default, aten._to_copy.default, aten.t.default, aten.transpose.int)
+
+
+def issue_early(g: fx.Graph) -> int:
+    """Each ep collective started as soon as its input is made (with the views and copies that feed
+    it alone), its wait left where its value is first read: what the graph computes meanwhile and
+    does not need it (a shared expert beside the routed ones) runs while it is in flight. Returns how
+    many moved."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    moved = 0
+
+    def hoist(n: fx.Node) -> bool:
+        for a in n.all_input_nodes:
+            if a.op == "call_function" and a.target in _LIGHT and len(a.users) == 1:
+                hoist(a)
+        ins = [a for a in n.all_input_nodes]
+        if not ins:
+            return False
+        last = max(ins, key=lambda a: order[a])
+        if last.next is n:
+            return False
+        last.append(n)
+        for i, m in enumerate(g.nodes):  # positions after the move
+            order[m] = i
+        return True
+
+    for n in list(g.nodes):
+        c = collective_of(n) if n.op == "call_function" else None
+        if c is not None and c.axis == "ep":
+            moved += hoist(n)
+    return moved
 
 
 def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
@@ -384,6 +419,7 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str) 
     phs = g.find_nodes(op="placeholder")
     _mean_over_ranks(g, cap, dict(zip(phs[: cap.n_params], cap.param_names)), counts, ranks, group, None)
     g.eliminate_dead_code()
+    issue_early(g)
     g.lint()
     gm.recompile()
     by_module: dict[str, list[str]] = {}
