@@ -280,7 +280,8 @@ def bench_config(args):
                        memory_fraction=args.memory_fraction, link_profile=args.link_profile,
                        trace_dir=args.trace_dir, memory_sites=args.memory_sites,
                        system_timeout=args.system_timeout, tp=args.tp, sp=args.sp,
-                       vocab_parallel=None if args.vocab_parallel == "auto" else args.vocab_parallel == "on")
+                       vocab_parallel=None if args.vocab_parallel == "auto" else args.vocab_parallel == "on",
+                       capacity_factor=args.capacity_factor)
 
 
 def bench_main(args) -> None:
@@ -485,7 +486,8 @@ def main(argv=None) -> int:
         if args.precision == "fp64":
             parser.error("bench: --precision must be fp32 or bf16")
         if args.ep > 1:
-            parser.error("bench: --ep is not built yet (its peers' expert parallelism is not set up); use train or explain")
+            parser.error("bench: --ep would apply to every system, and the peers have no expert parallelism: give it "
+                         "to shardwise's rows as a system option, e.g. --systems shardwise,shardwise:ep=2,fsdp2")
         try:  # bad systems, options and settings are told here, before any rank starts
             bench_config(args)
         except ValueError as e:

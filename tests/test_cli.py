@@ -51,13 +51,21 @@ def test_train_with_tensor_and_sequence_parallelism(capsys):
     assert "--vocab-parallel cuts the LM head over the tensor-parallel ranks" in capsys.readouterr().err
 
 
-def test_train_with_expert_parallelism():
+def test_train_with_expert_parallelism(tmp_path):
     # 2 ranks on the ep axis: each takes batches of its own and holds 2 of the 4 experts of each layer
     out = run_cli("train", "--model", "moe", "--size", "tiny", "--strategy", "zero3", "--nproc", "2", "--ep", "2",
                   "--capacity-factor", "1.25", "--steps", "8", "--lr", "1e-2")
     assert "mesh(dp=1, ep=2" in out and "batch 8x16 per rank" in out
     losses = [float(m.group(3)) for m in (STEP.search(ln) for ln in out.splitlines() if ln.startswith("step")) if m]
     assert len(losses) == 8 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
+    # bench: shardwise with ep=2 and without, beside FSDP2, in one record
+    out = run_cli("bench", "--model", "moe", "--size", "tiny", "--capacity-factor", "1.25", "--nproc", "2",
+                  "--systems", "shardwise,shardwise:ep=2,fsdp2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path))
+    import json
+
+    rec = json.load(open(next(tmp_path.glob("*.json"))))
+    rows = {r["system"]: r for r in rec["results"]}
+    assert set(rows) == {"shardwise", "shardwise:ep=2", "fsdp2"} and all(r["step_s"] for r in rows.values()), rows
 
 
 def test_train_checkpoints_and_resumes_bit_identical(tmp_path, capsys):
@@ -266,6 +274,9 @@ def test_bench_rejects_unknown_systems_and_options(capsys):
         (["--system-timeout", "-5"], "--system-timeout is seconds"),
         (["--link-profile", "/nonexistent.json"], "shardwise calibrate"),
         (["--tp", "0"], "--tp is the number of tensor-parallel ranks"),
+        (["--ep", "2"], "give it to shardwise's rows as a system option, e.g. --systems shardwise,shardwise:ep=2"),
+        (["--tp", "2", "--systems", "shardwise:ep=2"], "does not compose with --tp yet"),
+        (["--capacity-factor", "1.25"], "--capacity-factor sets the MoE's expert capacity: give it with --model moe"),
     ):
         with pytest.raises(SystemExit) as e:
             main(["bench", "--nproc", "1", "--size", "tiny", *args])

@@ -52,6 +52,9 @@ class BenchConfig:
     vocab_parallel: bool | None = None
     """With ``tp``: shardwise's LM head cut by classes (True), whole (False), or as its cost model chooses
     (None); torch's TP peers always run a vocab-parallel head and loss (``loss_parallel``)."""
+    capacity_factor: float | None = None
+    """The built-in MoE's capacity dispatch factor (None: its preset's), for every system alike (what a
+    ``shardwise:ep=N`` row splits over its ep ranks)."""
     system_timeout: float | None = None
     """Stop a system whose warm-up is still running this many seconds after it began (checked after
     each warm-up step, agreed by every rank): its row gets the error, the next system runs."""
@@ -83,6 +86,13 @@ class BenchConfig:
             raise ValueError("bench: --sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1)")
         if self.vocab_parallel is not None and self.tp == 1:
             raise ValueError("bench: --vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N")
+        if self.capacity_factor is not None and self.model != "moe":
+            raise ValueError(f"bench: --capacity-factor sets the MoE's expert capacity: give it with --model moe, "
+                             f"not {self.model}")
+        for s in self.systems:
+            ep = options(s).get("ep", 1) if s.startswith("shardwise") else 1
+            if ep < 1 or (ep > 1 and self.tp > 1):
+                raise ValueError(f"bench: {s!r}: ep takes a number of ranks >= 1, and does not compose with --tp yet")
         if self.steps < 1 or self.warmup < 1:
             raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
 
@@ -97,7 +107,8 @@ SHARDWISE_OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_
             "budget_gb": ("memory_budget", lambda v: int(float(v) * 2**30)),
             "fused": ("fused_optimizer", lambda v: bool(int(v))),
             "overlap_update": ("overlap_update", lambda v: bool(int(v))),
-            "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else None if v == "off" else (int(v) or None))}
+            "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else None if v == "off" else (int(v) or None)),
+            "ep": ("ep", int)}  # not a compile option: the mesh's ep axis (the row's ranks are dp x ep)
 
 # options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
 PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}

@@ -26,7 +26,8 @@ def build_model(cfg: BenchConfig, device):
     # initialisation takes 23 s on our CPU machine, so the 8B shape's a minute or more of each system's
     # set-up; every rank draws the same weights from the same seed on the same kind of device
     with torch.device(device):
-        return build(cfg.model, cfg.size, checkpoint=cfg.checkpoint)
+        over = {"capacity_factor": cfg.capacity_factor} if cfg.capacity_factor is not None else {}
+        return build(cfg.model, cfg.size, checkpoint=cfg.checkpoint, **over)
 
 
 def sync(device):

@@ -113,8 +113,9 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if cfg.precision == "bf16" else None
         executor = cfg.executor if cfg.executor != "auto" else ("inductor" if device.type == "cuda" else "fx")
         opts = {"schedule": not system.startswith("shardwise-noopt"), **options(system)}
+        ep = opts.pop("ep", 1)
         job = sw.compile(model, optimizer=lambda p: torch.optim.AdamW(p, lr=cfg.lr), strategy=cfg.strategy,
-                         mesh=sw.mesh(tp=cfg.tp if cfg.tp > 1 else None), mixed_precision=mp,
+                         mesh=sw.mesh(tp=cfg.tp if cfg.tp > 1 else None, ep=ep if ep > 1 else None), mixed_precision=mp,
                          compile=opts.pop("compile", executor), link_profile=cfg.link_profile,
                          **({"sequence_parallel": True} if cfg.sp else {}),
                          **({"vocab_parallel": cfg.vocab_parallel} if cfg.vocab_parallel is not None else {}), **opts)
