@@ -63,7 +63,8 @@ def test_train_with_expert_parallelism(tmp_path):
                   "--systems", "shardwise,shardwise:ep=2,fsdp2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path))
     import json
 
-    rec = json.load(open(next(tmp_path.glob("*.json"))))
+    with open(next(tmp_path.glob("*.json"))) as f:
+        rec = json.load(f)
     rows = {r["system"]: r for r in rec["results"]}
     assert set(rows) == {"shardwise", "shardwise:ep=2", "fsdp2"} and all(r["step_s"] for r in rows.values()), rows
 
