@@ -194,6 +194,9 @@ class JobConfig:
     vocab_parallel: bool | None = None
     """Megatron's plan: the untied LM head cut by classes (True), whole (False), or whichever the cost
     model predicts faster (None; passes/tp.py ``head_choice``)."""
+    ep_plan: list | tuple | None = None
+    """Where the mesh has an ep axis: parameter-name globs of the expert parameters to split over it
+    (each ``[experts, ...]``); None: those found from the graph (passes/ep.py)."""
     timeout: float | None = 100.0
     """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load
     or export is watched for a rank that raises, not for time). A rank that waits
@@ -234,6 +237,10 @@ class JobConfig:
         if self.vocab_parallel not in (None, True, False):
             raise ValueError(f"vocab_parallel must be True, False or None (the cost model chooses), "
                              f"got {self.vocab_parallel!r}")
+        if self.ep_plan is not None and (isinstance(self.ep_plan, str) or not all(isinstance(g, str) for g in self.ep_plan)
+                                         or not self.ep_plan):
+            raise ValueError(f"ep_plan must be a non-empty list of parameter-name globs (e.g. ['*.experts.*']), "
+                             f"got {self.ep_plan!r}")
         if self.vocab_parallel is not None and self.tp_plan not in (None, "megatron"):
             raise ValueError("vocab_parallel chooses for Megatron's plan; a tp_plan by hand places the head "
                              "itself (e.g. {'head.weight': sw.Shard(0)})")

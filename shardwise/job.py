@@ -64,6 +64,7 @@ def compile(
     sequence_parallel: bool = False,
     allow_replicate: bool = False,
     vocab_parallel: bool | None = None,
+    ep_plan=None,
     timeout: float | None = 100.0,
 ) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
@@ -80,7 +81,8 @@ def compile(
     (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``, ``offload_activations``),
     optimizer offload (``OffloadOptions``), the update (``UpdateOptions``: ``clip_grad_norm``,
     ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and, where ``mesh`` has
-    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate`` and ``vocab_parallel``, and the
+    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate`` and ``vocab_parallel``, where it
+    has an ep axis ``ep_plan``, and the
     ``timeout`` a step may wait on other ranks (``JobConfig``).
     README.md says what each does and what it measured.
 
@@ -106,7 +108,7 @@ def compile(
                              overlap_update=overlap_update),
         matmul_sm_carveout=matmul_sm_carveout, link_profile=link_profile, tp_plan=tp_plan,
         sequence_parallel=sequence_parallel, allow_replicate=allow_replicate, vocab_parallel=vocab_parallel,
-        timeout=timeout)
+        ep_plan=ep_plan, timeout=timeout)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is None:

@@ -1030,11 +1030,14 @@ def random_reference(spec, ws: int, steps: int = 2):
 
 def ep_refused(case: str):
     """A job the ep axis refuses: "dense" (the MoE's dense path: no batched expert products), "uneven"
-    (3 experts over ep=2), "tp" (ep and tp together)."""
-    over = {"dense": {"capacity_factor": None}, "uneven": {"capacity_factor": 2.0, "n_expert": 3},
-            "tp": {"capacity_factor": 2.0}}[case]
+    (3 experts over ep=2), "tp" (ep and tp together), "plan-none" / "plan-typo" (an ep_plan glob that
+    names parameters no expert product reads, or none at all)."""
+    over = {"dense": {"capacity_factor": None}, "uneven": {"capacity_factor": 2.0, "n_expert": 3}}.get(
+        case, {"capacity_factor": 2.0})
+    plan = {"plan-none": ["blocks.*.attn.*"], "plan-typo": ["blocks.*.moe.*"]}.get(case)
     mesh = sw.mesh(ep=2, tp=2) if case == "tp" else sw.mesh(ep=2)
-    job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=mesh)
+    job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=mesh,
+                     ep_plan=plan)
     job.step(make_batch("moe", 0, dist.get_rank()))
 
 

@@ -35,6 +35,14 @@ def test_expert_parallel_with_dropped_tokens_equals_one_device_under_the_same_ca
     assert rows and rows[0][1:5] == ["capacity", "4", "2", "16"] and rows[0][-1] == str(info["dropped"]["blocks.0.ffn.dropped"])
 
 
+def test_an_ep_plan_names_the_experts_to_split(pools):
+    """ep_plan: only the first layer's experts split over ep; the second's stay whole on every ep
+    rank, their gradients averaged as the other parameters' are. Same numbers as one device."""
+    info = _parity(pools, "zero3", 2, 2, ep_plan=["blocks.0.ffn.w*"])
+    assert info["shapes"]["blocks.0.ffn.w1"][0] == 2 and info["shapes"]["blocks.1.ffn.w1"][0] == 4
+    assert sum(v for (axis, kind, _), v in info["phases"].items() if kind == "all_to_all") == 4  # one layer's
+
+
 def test_expert_parallel_gradient_accumulation_parity(pools):
     """Two micro-batches per step with drops (zero3 on a dp axis of one): the ep collectives run in
     every micro-batch's program, the dp reduction once."""
@@ -81,6 +89,8 @@ def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_pat
     ("dense", 2, "mesh ep=2: shardwise finds no experts in the model"),
     ("uneven", 2, "ep=2 does not divide the 3 experts of blocks.0.ffn.w1: use an ep that divides"),
     ("tp", 4, "a mesh of ep=2 and tp=2: expert and tensor parallelism together are not built yet"),
+    ("plan-none", 2, "ep_plan: 'blocks.*.attn.*' names no expert parameter: it names ['blocks.0.attn.wq.weight'"),
+    ("plan-typo", 2, "ep_plan: 'blocks.*.moe.*' names no expert parameter: it names no parameter of the model"),
 ])
 def test_bad_ep_jobs_are_refused_by_name(pools, case, ranks, says):
     results = pools(ranks).run_all(harness.ep_refused, case)

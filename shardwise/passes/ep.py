@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 
 import torch
 import torch.fx as fx
@@ -51,9 +52,24 @@ class ExpertError(ValueError):
     """The experts of the graph cannot be split over the ep axis as found (the message says why)."""
 
 
-def experts_of(cap: Capture, ranks: int = 1) -> dict[str, int]:
-    """The expert parameters of ``cap``: {name: number of experts (its dim 0)}; every count must be
-    a multiple of the ep ``ranks``."""
+def _planned(found: dict[str, int], names, plan) -> dict[str, int]:
+    """``found`` kept to the parameters ``plan``'s globs name (all of them where ``plan`` is None); a
+    glob that names no expert parameter is an error."""
+    if plan is None:
+        return found
+    for g in plan:
+        if not any(fnmatch.fnmatch(n, g) for n in found):
+            named = [n for n in names if fnmatch.fnmatch(n, g)]
+            why = (f"it names {named[:3]}, which no batched product reads as one matrix per expert" if named
+                   else "it names no parameter of the model")
+            raise ExpertError(f"ep_plan: {g!r} names no expert parameter: {why} (experts found: "
+                              f"{sorted(found)[:4] or 'none'})")
+    return {n: e for n, e in found.items() if any(fnmatch.fnmatch(n, g) for g in plan)}
+
+
+def experts_of(cap: Capture, ranks: int = 1, plan=None) -> dict[str, int]:
+    """The expert parameters of ``cap``: {name: number of experts (its dim 0)}, kept to those the
+    ``plan``'s globs name where there is one; every count must be a multiple of the ep ``ranks``."""
     g = cap.gm.graph
     phs = g.find_nodes(op="placeholder")[: cap.n_params]
     names = dict(zip(phs, cap.param_names))
@@ -66,6 +82,7 @@ def experts_of(cap: Capture, ranks: int = 1) -> dict[str, int]:
                 a = a.args[0]
             if a in names and a.meta["val"].dim() == 3:
                 found[names[a]] = a.meta["val"].shape[0]
+    found = _planned(found, cap.param_names, plan)
     for name, e in found.items():
         if e % ranks:
             raise ExpertError(f"ep={ranks} does not divide the {e} experts of {name}: use an ep that divides "
@@ -175,12 +192,13 @@ def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | Non
     return {n: d for n, d in slot.items() if n not in experts}, entries
 
 
-def partition(cap: Capture, ranks: int, group: str, stage: str | None = None) -> tuple[Capture, dict[str, Shard]]:
+def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
+              plan=None) -> tuple[Capture, dict[str, Shard]]:
     """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring).
     Returns (its Capture, each expert parameter's placement on the ep axis: ``Shard(0)``)."""
     from ..capture import forward_nodes
 
-    counts = experts_of(cap, ranks)
+    counts = experts_of(cap, ranks, plan)
     if not counts:
         raise ExpertError(f"mesh ep={ranks}: shardwise finds no experts in the model. It finds them as 3-dim "
                           "parameters [experts, in, out] that batched products (torch.bmm) read, as the built-in "
@@ -322,10 +340,16 @@ def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
 
 # -- experts whose dispatch the graph cannot show statically (Hugging Face's) ------------------------
 
-def hf_experts(model) -> list[tuple[str, object]]:
-    """The Hugging Face experts modules of ``model`` (``use_experts_implementation``'s): (name, module)."""
-    return [(n, m) for n, m in model.named_modules()
+def hf_experts(model, plan=None) -> list[tuple[str, object]]:
+    """The Hugging Face experts modules of ``model`` (``use_experts_implementation``'s): (name, module);
+    with a ``plan``, those whose parameters its globs name."""
+    mods = [(n, m) for n, m in model.named_modules()
             if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "num_experts")]
+    if plan is None or not mods:
+        return mods
+    params = {f"{n}.{p}" if n else p: (n, m) for n, m in mods for p, _ in m.named_parameters(recurse=False)}
+    found = _planned({k: 0 for k in params}, [n for n, _ in model.named_parameters()], plan)
+    return list({params[k][0]: params[k] for k in found}.values())
 
 
 def add_rank_buffers(model, ranks: int, rank: int) -> None:
@@ -336,7 +360,7 @@ def add_rank_buffers(model, ranks: int, rank: int) -> None:
         m.register_buffer("ep_first_expert", first, persistent=False)
 
 
-def hf_forwards(model, ranks: int, rank: int, group) -> tuple[dict, dict, dict[str, int]]:
+def hf_forwards(model, ranks: int, rank: int, group, plan=None) -> tuple[dict, dict, dict[str, int]]:
     """Forwards that split Hugging Face experts over the ep axis as the step is traced, dropless:
     every ep rank's (token, choice) pairs are gathered (tokens, expert ids, gates), each rank runs
     the experts' own implementation on all of them with its ``E/ep`` experts (a pair of another
@@ -347,7 +371,7 @@ def hf_forwards(model, ranks: int, rank: int, group) -> tuple[dict, dict, dict[s
     from torch.distributed import _functional_collectives as fc
 
     forwards, shapes, counts = {}, {}, {}
-    for prefix, m in hf_experts(model):
+    for prefix, m in hf_experts(model, plan):
         e = m.num_experts
         if e % ranks:
             raise ExpertError(f"ep={ranks} does not divide the {e} experts of {prefix}: use an ep that divides "
