@@ -302,7 +302,8 @@ class Compiler:
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
             if self.ep is not None:  # experts split as traced (Hugging Face's), or by the graph's rewrite
-                cap, placements = (ep_pass.finish_traced(cap, counts, self.ep.ranks, self.ep.group.group_name)
+                cap, placements = (ep_pass.finish_traced(cap, counts, self.ep.ranks, self.ep.group.group_name,
+                                                         self.ctx.stage)
                                    if traced_ep else
                                    ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
                                                      self.ep.plan))

@@ -1081,19 +1081,21 @@ def ep_resumed(path: str, ep: int, step: int):
     return float(job.step(make_batch("moe", step, dist.get_rank()))), job.full_state_dict()
 
 
-def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2):
+def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "cpu"):
     """``hf_run`` (fp32) on a mesh of dp x ``ep`` ranks, each taking its global rank's batches:
     (losses, full_state_dict, the ep collectives by (kind, phase), the experts' local shapes)."""
     from collections import Counter
 
     from shardwise.sharding.collective import collective_of
 
-    job = sw.compile(make_hf(kind, "fp32"), optimizer=adamw, strategy=strategy, mesh=sw.mesh(ep=ep))
-    losses = [float(job.step(hf_batch(s, dist.get_rank()))) for s in range(steps)]
+    job = sw.compile(make_hf(kind, "fp32").to(device), optimizer=adamw, strategy=strategy,
+                     mesh=sw.mesh(ep=ep, device=device))
+    losses = [float(job.step({k: v.to(device) for k, v in hf_batch(s, dist.get_rank()).items()}))
+              for s in range(steps)]
     prog = job.programs()[0]
     cs = Counter((c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()) if c.axis == "ep")
     shapes = {n: tuple(s) for n, s in zip(prog.capture.param_names, prog.capture.param_shapes) if "experts" in n}
-    return losses, job.full_state_dict(), cs, shapes, job.explain()
+    return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, cs, shapes, job.explain()
 
 
 def hf_ep_overlap():

@@ -411,14 +411,32 @@ def _scatter_autograd(fc, x, op, dim, group):
     return fn(x, op, dim, group)
 
 
+def _staged(g: fx.Graph, start: fx.Node, stage: str | None) -> None:
+    """The collective ``start`` run on a copy of its payload on ``stage``, its result copied back."""
+    x = start.args[0]
+    v = x.meta["val"]
+    if stage is None or v.device.type == torch.device(stage).type:
+        return
+    with g.inserting_before(start):
+        host = emit.node(g, aten._to_copy.default, (x,), emit.fake(v.shape, v.dtype, stage), device=torch.device(stage))
+    start.replace_input_with(x, host)
+    wait = next(iter(start.users))
+    w = wait.meta["val"]
+    with g.inserting_before(wait.next):
+        back = emit.node(g, aten._to_copy.default, (wait,), emit.fake(w.shape, w.dtype, w.device), device=w.device)
+    wait.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+
+
 _AUTOGRAD = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
              "all_to_all_single": "all_to_all"}
 
 
-def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str) -> tuple[Capture, dict[str, Shard]]:
+def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str,
+                  stage: str | None = None) -> tuple[Capture, dict[str, Shard]]:
     """The ep-local step traced through ``hf_forwards``: its collectives made the plain functional ones
-    the passes read (named, by kind, phase and bytes, on the ep axis), and the other gradients and
-    the loss averaged over the ep ranks (``partition``'s last step)."""
+    the passes read (named, by kind, phase and bytes, on the ep axis; with ``stage``, their payloads
+    copied there and back, as gloo ranks on a GPU need), and the other gradients and the loss
+    averaged over the ep ranks (``partition``'s last step)."""
     from ..capture import forward_nodes
 
     gm = copy.deepcopy(cap.gm)
@@ -440,8 +458,9 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str) 
                 "summed back to their ranks"}.get(kind, "")
         mark(n, emit.collective(kind, v.numel() * v.dtype.itemsize, ranks, "fwd" if n in fwd else "bwd",
                                      axis="ep", reason=what if n in fwd else f"gradients: {what}"))
+        _staged(g, n, stage)
     phs = g.find_nodes(op="placeholder")
-    _mean_over_ranks(g, cap, dict(zip(phs[: cap.n_params], cap.param_names)), counts, ranks, group, None)
+    _mean_over_ranks(g, cap, dict(zip(phs[: cap.n_params], cap.param_names)), counts, ranks, group, stage)
     g.eliminate_dead_code()
     issue_early(g)
     g.lint()
