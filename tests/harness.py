@@ -179,12 +179,14 @@ def make_hf(kind: str, dtype: str = "fp64"):
         cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
         model = tf.LlamaForCausalLM(cfg)
-    elif kind.startswith("mixtral"):  # mixtral-<experts implementation>: grouped_mm, batched_mm, eager
+    elif kind.startswith("mixtral"):  # mixtral-<experts implementation>[-aux]: grouped_mm, batched_mm, eager
+        impl, _, aux = kind.split("-", 1)[1].partition("-")
         cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                               num_local_experts=4, num_experts_per_tok=2)
+                               num_local_experts=4, num_experts_per_tok=2,
+                               output_router_logits=bool(aux), router_aux_loss_coef=0.02)
         model = tf.MixtralForCausalLM(cfg)
-        model.set_experts_implementation(kind.split("-", 1)[1])
+        model.set_experts_implementation(impl)
     elif kind == "qwen2_moe":  # routed experts and a gated shared expert
         cfg = tf.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
                                 shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -66,12 +66,14 @@ def test_hf_experts_traced_by_their_static_path_leave_the_model_as_it_was():
     assert model.config._experts_implementation == "eager"
 
 
-@pytest.mark.parametrize("kind,steps", [("mixtral-grouped_mm", 20), ("qwen2_moe", 20), ("mixtral-eager", 4)])
+@pytest.mark.parametrize("kind,steps", [("mixtral-grouped_mm", 20), ("qwen2_moe", 20), ("mixtral-eager", 4),
+                                        ("mixtral-grouped_mm-aux", 4)])
 def test_hf_moe_models_with_expert_parallelism(pools, kind, steps):
     """ep=2 (zero3 on a dp axis of one): each rank holds half of every layer's experts; the pairs of
     both ranks are gathered to every rank's experts (dropless: the group sizes follow the routing)
     and the outputs summed back by a reduce-scatter, one of each per layer (their transposes in the
-    backward). Against eager single-device fp32 training of both ranks' batches."""
+    backward). Against eager single-device fp32 training of both ranks' batches; with Mixtral's
+    load-balancing loss (``output_router_logits``) too, which each rank computes on its own tokens."""
     import transformers
 
     if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
