@@ -337,7 +337,6 @@ def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
     out.args = (tuple(outs), *out.args[1:])
 
 
-
 # -- experts whose dispatch the graph cannot show statically (Hugging Face's) ------------------------
 
 def hf_experts(model, plan=None) -> list[tuple[str, object]]:
