@@ -17,7 +17,7 @@ def _parity(pools, strategy, ep, ws, cf=2.0, steps=3, **kw):
     return info
 
 
-@pytest.mark.parametrize("strategy,ep,ws", [("ddp", 2, 2), ("zero3", 2, 2), ("zero2", 2, 4), ("zero3", 2, 4)])
+@pytest.mark.parametrize("strategy,ep,ws", [("ddp", 2, 2), ("zero3", 2, 2), ("ddp", 2, 4), ("zero2", 2, 4), ("zero3", 2, 4)])
 def test_expert_parallel_parity_fp64(pools, strategy, ep, ws):
     """ep=2 alone and dp=2 x ep=2, the dp strategy on the rest; nothing dropped (capacity 2 = E/k)."""
     info = _parity(pools, strategy, ep, ws)
