@@ -108,8 +108,8 @@ class ExpertParallelAxis:
     """The mesh's ep axis as the compiler partitions for it (passes/ep.py): its ranks, this rank's
     coordinate, its group and, once the first step is captured, each expert parameter's placement."""
 
-    def __init__(self, ranks: int, rank: int, group, plan=None):
-        self.ranks, self.rank, self.group, self.plan = ranks, rank, group, plan
+    def __init__(self, ranks: int, rank: int, group, plan=None, capacity: float | None = None):
+        self.ranks, self.rank, self.group, self.plan, self.capacity = ranks, rank, group, plan, capacity
         self.placements: dict | None = None
 
 
@@ -117,8 +117,8 @@ def expert_parallel_axis(mesh, config: JobConfig) -> ExpertParallelAxis | None:
     """The job's ep axis, or None where the mesh has none; what does not compose with it yet refused."""
     ranks = mesh.size("ep")
     if ranks == 1:
-        if config.ep_plan is not None:
-            raise ValueError("ep_plan applies to a mesh with an ep axis, e.g. sw.mesh(dp=2, ep=2)")
+        if config.ep_plan is not None or config.ep_capacity_factor is not None:
+            raise ValueError("ep_plan and ep_capacity_factor apply to a mesh with an ep axis, e.g. sw.mesh(dp=2, ep=2)")
         return None
     if mesh.size("tp") > 1:
         raise ValueError(f"a mesh of ep={ranks} and tp={mesh.size('tp')}: expert and tensor parallelism together "
@@ -128,7 +128,7 @@ def expert_parallel_axis(mesh, config: JobConfig) -> ExpertParallelAxis | None:
         if getattr(groups[name], name) not in (None, False):
             raise ValueError(f"{name} does not compose with expert parallelism yet (mesh ep={ranks}): leave it "
                              "off, or use a mesh of dp alone")
-    return ExpertParallelAxis(ranks, mesh.rank("ep"), mesh.group("ep"), config.ep_plan)
+    return ExpertParallelAxis(ranks, mesh.rank("ep"), mesh.group("ep"), config.ep_plan, config.ep_capacity_factor)
 
 
 NOT_WITH_TP = ("offload_optimizer", "overlap_update")
@@ -291,8 +291,12 @@ class Compiler:
             from .passes import ep as ep_pass
 
             traced_ep = self.ep is not None and bool(ep_pass.hf_experts(self.model, self.ep.plan))
+            if self.ep is not None and self.ep.capacity is not None and not traced_ep:
+                raise ValueError("ep_capacity_factor applies to Hugging Face experts; the built-in MoE takes its "
+                                 "capacity from its config (capacity_factor=...)")
             forwards, shapes, counts = (ep_pass.hf_forwards(self.model, self.ep.ranks, self.ep.rank, self.ep.group,
-                                                            self.ep.plan) if traced_ep else (None, None, None))
+                                                            self.ep.plan, self.ep.capacity)
+                                        if traced_ep else (None, None, None))
             cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
                                param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device,
                                forwards=forwards, shapes=shapes)
@@ -303,7 +307,7 @@ class Compiler:
                 cap.gm.recompile()
             if self.ep is not None:  # experts split as traced (Hugging Face's), or by the graph's rewrite
                 cap, placements = (ep_pass.finish_traced(cap, counts, self.ep.ranks, self.ep.group.group_name,
-                                                         self.ctx.stage)
+                                                         self.ctx.stage, self.ep.capacity)
                                    if traced_ep else
                                    ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
                                                      self.ep.plan))

@@ -197,6 +197,10 @@ class JobConfig:
     ep_plan: list | tuple | None = None
     """Where the mesh has an ep axis: parameter-name globs of the expert parameters to split over it
     (each ``[experts, ...]``); None: those found from the graph (passes/ep.py)."""
+    ep_capacity_factor: float | None = None
+    """Where the ep axis splits Hugging Face experts: GShard's capacity rule with this factor (pairs past
+    an expert's capacity dropped; all-to-alls of fixed blocks) instead of the dropless gather of
+    every pair to every rank (None). The built-in MoE sets its own (``capacity_factor``)."""
     timeout: float | None = 100.0
     """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load
     or export is watched for a rank that raises, not for time). A rank that waits
@@ -241,6 +245,10 @@ class JobConfig:
                                          or not self.ep_plan):
             raise ValueError(f"ep_plan must be a non-empty list of parameter-name globs (e.g. ['*.experts.*']), "
                              f"got {self.ep_plan!r}")
+        if self.ep_capacity_factor is not None and not (isinstance(self.ep_capacity_factor, (int, float))
+                                                        and self.ep_capacity_factor > 0):
+            raise ValueError(f"ep_capacity_factor must be a positive number (1.25 is common) or None (dropless), "
+                             f"got {self.ep_capacity_factor!r}")
         if self.vocab_parallel is not None and self.tp_plan not in (None, "megatron"):
             raise ValueError("vocab_parallel chooses for Megatron's plan; a tp_plan by hand places the head "
                              "itself (e.g. {'head.weight': sw.Shard(0)})")

@@ -1033,13 +1033,14 @@ def random_reference(spec, ws: int, steps: int = 2):
 def ep_refused(case: str):
     """A job the ep axis refuses: "dense" (the MoE's dense path: no batched expert products), "uneven"
     (3 experts over ep=2), "tp" (ep and tp together), "plan-none" / "plan-typo" (an ep_plan glob that
-    names parameters no expert product reads, or none at all)."""
+    names parameters no expert product reads, or none at all), "capacity" (ep_capacity_factor for the
+    built-in MoE, which has its own)."""
     over = {"dense": {"capacity_factor": None}, "uneven": {"capacity_factor": 2.0, "n_expert": 3}}.get(
         case, {"capacity_factor": 2.0})
     plan = {"plan-none": ["blocks.*.attn.*"], "plan-typo": ["blocks.*.moe.*"]}.get(case)
     mesh = sw.mesh(ep=2, tp=2) if case == "tp" else sw.mesh(ep=2)
     job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=mesh,
-                     ep_plan=plan)
+                     ep_plan=plan, ep_capacity_factor=1.25 if case == "capacity" else None)
     job.step(make_batch("moe", 0, dist.get_rank()))
 
 
@@ -1083,7 +1084,34 @@ def ep_resumed(path: str, ep: int, step: int):
     return float(job.step(make_batch("moe", step, dist.get_rank()))), job.full_state_dict()
 
 
-def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "cpu"):
+def hf_capacity_reference(kind: str, ws: int, steps: int, factor: float):
+    """``hf_reference`` (fp32) with every experts module under GShard's capacity rule on one device
+    (passes/ep.py ``capacity_dispatch`` without ranks): each of the ws micro-batches dispatched alone."""
+    from shardwise.passes.ep import capacity_dispatch, hf_experts
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_hf(kind, "fp32")
+        for _, m in hf_experts(model):
+            m.forward = lambda h, i, w, _m=m: capacity_dispatch(_m, h, i, w, factor, 1, None)
+        opt = adamw(list(model.named_parameters()))
+        losses = []
+        for s in range(steps):
+            tot = 0.0
+            for r in range(ws):
+                loss = model(**hf_batch(s, r)).loss / ws
+                loss.backward()
+                tot += loss.item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(tot)
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "cpu", **compile_kw):
     """``hf_run`` (fp32) on a mesh of dp x ``ep`` ranks, each taking its global rank's batches:
     (losses, full_state_dict, the ep collectives by (kind, phase), the experts' local shapes)."""
     from collections import Counter
@@ -1091,7 +1119,7 @@ def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "
     from shardwise.sharding.collective import collective_of
 
     job = sw.compile(make_hf(kind, "fp32").to(device), optimizer=adamw, strategy=strategy,
-                     mesh=sw.mesh(ep=ep, device=device))
+                     mesh=sw.mesh(ep=ep, device=device), **compile_kw)
     losses = [float(job.step({k: v.to(device) for k, v in hf_batch(s, dist.get_rank()).items()}))
               for s in range(steps)]
     prog = job.programs()[0]

@@ -91,6 +91,7 @@ def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_pat
     ("tp", 4, "a mesh of ep=2 and tp=2: expert and tensor parallelism together are not built yet"),
     ("plan-none", 2, "ep_plan: 'blocks.*.attn.*' names no expert parameter: it names ['blocks.0.attn.wq.weight'"),
     ("plan-typo", 2, "ep_plan: 'blocks.*.moe.*' names no expert parameter: it names no parameter of the model"),
+    ("capacity", 2, "ep_capacity_factor applies to Hugging Face experts; the built-in MoE takes its capacity"),
 ])
 def test_bad_ep_jobs_are_refused_by_name(pools, case, ranks, says):
     results = pools(ranks).run_all(harness.ep_refused, case)

@@ -102,3 +102,26 @@ def test_an_ep_collective_starts_as_soon_as_its_input_is_made_so_the_shared_expe
         pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
     start, shared, read = pools(2).run(harness.hf_ep_overlap)[0]
     assert start < shared < read, (start, shared, read)
+
+
+def test_hf_experts_under_ep_with_a_capacity_exchange(pools):
+    """ep_capacity_factor: the pairs go to their experts' ranks by all-to-alls of fixed [E, capacity, d]
+    blocks (two per layer forward, two backward) instead of being gathered to every rank. With room for
+    every pair (factor 4 = 2 x E/k) it trains as eager HF does (nothing dropped); with factor 1 it
+    drops pairs as one device does under the same rule."""
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
+    kind, steps = "mixtral-grouped_mm", 6
+    for factor, (ref_losses, ref_sd) in ((4.0, harness.hf_reference(kind, 2, steps, "fp32")),
+                                         (1.0, harness.hf_capacity_reference(kind, 2, steps, 1.0))):
+        losses, sd, comm, _, explain = pools(2).run(harness.hf_ep_run, kind, "zero3", steps,
+                                                    ep_capacity_factor=factor)[0]
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5, factor
+        errs = [((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm()).item() for k in ref_sd if not k.endswith("k_proj.bias")]
+        assert max(errs) <= 1e-5, (factor, max(errs))
+        assert comm == {("all_to_all", "fwd"): 4, ("all_to_all", "bwd"): 4, ("all_reduce", "bwd"): 2}, comm
+        assert f"capacity       4     2 {'x' + format(factor, 'g'):>8}" in explain, explain
+    drops = harness.hf_capacity_reference(kind, 2, 1, 1.0)[0][0] != harness.hf_reference(kind, 2, 1, "fp32")[0][0]
+    assert drops  # factor 1 does drop pairs here: the second comparison is not the first again

@@ -359,14 +359,61 @@ def add_rank_buffers(model, ranks: int, rank: int) -> None:
         m.register_buffer("ep_first_expert", first, persistent=False)
 
 
-def hf_forwards(model, ranks: int, rank: int, group, plan=None) -> tuple[dict, dict, dict[str, int]]:
+def capacity_dispatch(m, hidden, top_k_index, top_k_weights, factor: float, ranks: int, group):
+    """Hugging Face experts ``m`` (this rank's ``E/ranks`` of them) under GShard's capacity rule: each
+    expert takes at most ``ceil(factor * tokens * k / E)`` of this rank's (token, choice) pairs, first
+    choices before second ones, in token order; a pair past capacity adds nothing. The kept pairs go
+    to their experts' ranks by one all-to-all into ``[E, capacity, d]`` blocks and come back by
+    another; the experts run their own implementation on every rank's slots of theirs. With
+    ``ranks == 1`` (no ``group``), the same rule on one device."""
+    import math
+
+    import torch.nn.functional as F
+
+    e = m.num_experts
+    el = e // ranks
+    t, k = top_k_index.shape
+    d = hidden.shape[-1]
+    cap = math.ceil(factor * t * k / e)
+    choice = top_k_index.t().reshape(-1)  # choice-major: every token's first choice queues first
+    onehot = F.one_hot(choice, e)
+    pos = (onehot.cumsum(0) * onehot).sum(-1) - 1
+    dump = e * cap
+    slot = torch.where(pos < cap, choice * cap + pos, torch.full_like(pos, dump))
+    token = torch.arange(t, device=hidden.device).repeat(k)
+    filler = torch.full((dump + 1,), t, dtype=token.dtype, device=hidden.device).scatter(0, slot, token)[:dump]
+    xe = torch.cat([hidden, hidden.new_zeros(1, d)]).index_select(0, filler)  # [E*cap, d], expert-major
+    if ranks > 1:
+        from torch.distributed import _functional_collectives as fc
+
+        split = [el * cap] * ranks
+        xe = fc.all_to_all_single_autograd(xe, split, split, group)  # [rank, E/ep, cap, d]
+        xe = xe.view(ranks, el, cap, d).transpose(0, 1).reshape(el * ranks * cap, d)
+    ids = torch.arange(el, device=hidden.device).repeat_interleave(xe.shape[0] // el).unsqueeze(1)
+    ones = torch.ones(xe.shape[0], 1, dtype=top_k_weights.dtype, device=hidden.device)
+    saved, m.num_experts = m.num_experts, el
+    try:
+        ye = type(m).forward(m, xe, ids, ones)
+    finally:
+        m.num_experts = saved
+    if ranks > 1:
+        ye = ye.view(el, ranks, cap, d).transpose(0, 1).reshape(e * cap, d)
+        ye = fc.all_to_all_single_autograd(ye, split, split, group)  # this rank's slots of every expert
+    ye = torch.cat([ye, ye.new_zeros(1, d)])
+    pair = slot.view(k, t).t().reshape(-1)
+    return (ye.index_select(0, pair).view(t, k, d) * top_k_weights.unsqueeze(-1).to(ye.dtype)).sum(1)
+
+
+def hf_forwards(model, ranks: int, rank: int, group, plan=None,
+                capacity: float | None = None) -> tuple[dict, dict, dict[str, int]]:
     """Forwards that split Hugging Face experts over the ep axis as the step is traced, dropless:
     every ep rank's (token, choice) pairs are gathered (tokens, expert ids, gates), each rank runs
     the experts' own implementation on all of them with its ``E/ep`` experts (a pair of another
     rank's expert takes gate 0, so it adds nothing), and the outputs are summed back to their ranks
     by a reduce-scatter. Their group sizes depend on the routing, so this is the worst case the
-    buffers are sized for: every pair on every rank. Returns (forwards by module, the expert
-    parameters' local shapes, their expert counts)."""
+    buffers are sized for: every pair on every rank. With ``capacity`` (a factor), GShard's capacity
+    rule instead (``capacity_dispatch``: all-to-alls of fixed blocks; pairs past capacity dropped).
+    Returns (forwards by module, the expert parameters' local shapes, their expert counts)."""
     from torch.distributed import _functional_collectives as fc
 
     forwards, shapes, counts = {}, {}, {}
@@ -394,7 +441,10 @@ def hf_forwards(model, ranks: int, rank: int, group, plan=None) -> tuple[dict, d
                 _m.num_experts = saved
             return _scatter_autograd(fc, out, "sum", 0, group)
 
-        forwards[m] = forward
+        def dispatched(hidden, top_k_index, top_k_weights, _m=m):
+            return capacity_dispatch(_m, hidden, top_k_index, top_k_weights, capacity, ranks, group)
+
+        forwards[m] = forward if capacity is None else dispatched
     return forwards, shapes, counts
 
 
@@ -431,7 +481,7 @@ _AUTOGRAD = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "r
 
 
 def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str,
-                  stage: str | None = None) -> tuple[Capture, dict[str, Shard]]:
+                  stage: str | None = None, capacity: float | None = None) -> tuple[Capture, dict[str, Shard]]:
     """The ep-local step traced through ``hf_forwards``: its collectives made the plain functional ones
     the passes read (named, by kind, phase and bytes, on the ep axis; with ``stage``, their payloads
     copied there and back, as gloo ranks on a GPU need), and the other gradients and the loss
@@ -454,7 +504,8 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str,
             continue
         v = n.meta["val"] if kind != "reduce_scatter" else n.args[0].meta["val"]
         what = {"all_gather": "every rank's pairs to every rank's experts", "reduce_scatter": "expert outputs "
-                "summed back to their ranks"}.get(kind, "")
+                "summed back to their ranks", "all_to_all": "pairs to and from their experts' ranks (capacity)"
+                }.get(kind, "")
         mark(n, emit.collective(kind, v.numel() * v.dtype.itemsize, ranks, "fwd" if n in fwd else "bwd",
                                      axis="ep", reason=what if n in fwd else f"gradients: {what}"))
         _staged(g, n, stage)
@@ -467,6 +518,8 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str,
     by_module: dict[str, list[str]] = {}
     for name in counts:  # the experts' parameters, by the module that holds them, in model order
         by_module.setdefault(name.rpartition(".")[0], []).append(name)
-    layers = [{"params": sorted(names), "experts": counts[names[0]], "ranks": ranks, "capacity": None,
-               "fwd_collectives": 4} for names in by_module.values()]  # tokens, ids, gates in; outputs back
+    # dropless: tokens, ids, gates in and the outputs back; capacity: the slots there and back
+    layers = [{"params": sorted(names), "experts": counts[names[0]], "ranks": ranks,
+               "capacity": None if capacity is None else f"x{capacity:g}", "fwd_collectives": 4 if capacity is None else 2}
+              for names in by_module.values()]
     return dataclasses.replace(cap, gm=gm, moe_layers=layers), {n: Shard(0) for n in counts}
