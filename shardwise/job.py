@@ -162,7 +162,7 @@ class Job(Checkpointing, Held):
         if self.ep is not None:  # after the broadcast: each rank's own (passes/ep.py)
             from .passes.ep import add_rank_buffers
 
-            add_rank_buffers(model, self.ep.ranks, self.ep.rank)
+            add_rank_buffers(model, self.ep.ranks, self.ep.rank, self.ep.capacity)
         self.buffers = dict(model.named_buffers())
         install(self)  # job.model and job.optimizer train only through job.step (runtime/guard.py)
         self.updater = Updater(self.state, dev, group, dp, upd.clip_grad_norm, upd.overlap_update)

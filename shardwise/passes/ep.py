@@ -351,12 +351,16 @@ def hf_experts(model, plan=None) -> list[tuple[str, object]]:
     return list({params[k][0]: params[k] for k in found}.values())
 
 
-def add_rank_buffers(model, ranks: int, rank: int) -> None:
+def add_rank_buffers(model, ranks: int, rank: int, capacity: float | None = None) -> None:
     """Each Hugging Face experts module gets ``ep_first_expert``: this rank's first expert on the ep
-    axis (a buffer, not saved), which ``hf_forwards`` reads."""
+    axis, which ``hf_forwards`` reads; under a ``capacity`` rule also ``dropped``, the pairs it
+    dropped in the last micro-batch (buffers, not saved)."""
     for _, m in hf_experts(model):
-        first = torch.tensor(rank * (m.num_experts // ranks), dtype=torch.long, device=next(m.parameters()).device)
-        m.register_buffer("ep_first_expert", first, persistent=False)
+        dev = next(m.parameters()).device
+        m.register_buffer("ep_first_expert", torch.tensor(rank * (m.num_experts // ranks), dtype=torch.long,
+                                                          device=dev), persistent=False)
+        if capacity is not None:
+            m.register_buffer("dropped", torch.zeros((), dtype=torch.long, device=dev), persistent=False)
 
 
 def capacity_dispatch(m, hidden, top_k_index, top_k_weights, factor: float, ranks: int, group):
@@ -379,6 +383,8 @@ def capacity_dispatch(m, hidden, top_k_index, top_k_weights, factor: float, rank
     onehot = F.one_hot(choice, e)
     pos = (onehot.cumsum(0) * onehot).sum(-1) - 1
     dump = e * cap
+    if "dropped" in m._buffers:  # the pairs this rank dropped in its last micro-batch (add_rank_buffers)
+        m.dropped.copy_((pos >= cap).sum())
     slot = torch.where(pos < cap, choice * cap + pos, torch.full_like(pos, dump))
     token = torch.arange(t, device=hidden.device).repeat(k)
     filler = torch.full((dump + 1,), t, dtype=token.dtype, device=hidden.device).scatter(0, slot, token)[:dump]
