@@ -207,11 +207,19 @@ def hf_batch(step: int, rank: int):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_reference(kind: str, ws: int, steps: int, dtype: str = "fp64"):
+def hf_reference(kind: str, ws: int, steps: int, dtype: str = "fp64", capacity: float | None = None):
+    """Eager single-device training, each step averaging ws micro-batches. ``capacity``: every experts
+    module under GShard's capacity rule on one device (passes/ep.py ``capacity_dispatch`` without
+    ranks), each micro-batch dispatched alone."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = make_hf(kind, dtype)
+        if capacity is not None:
+            from shardwise.passes.ep import capacity_dispatch, hf_experts
+
+            for _, m in hf_experts(model):
+                m.forward = lambda h, i, w, _m=m: capacity_dispatch(_m, h, i, w, capacity, 1, None)
         opt = adamw(list(model.named_parameters()))
         losses = []
         for s in range(steps):
@@ -1074,41 +1082,14 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
     return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, info
 
 
-def ep_resumed(path: str, ep: int, step: int):
-    """A zero2 job of other weights on dp x ``ep`` loads the checkpoint at ``path`` and takes step
-    ``step``: (its loss, full_state_dict)."""
+def ep_resumed(path: str, ep: int, step: int, strategy: str = "zero2"):
+    """A job of other weights on dp x ``ep`` loads the checkpoint at ``path`` (before its first step)
+    and takes step ``step``: (its loss, full_state_dict)."""
     mesh = sw.mesh(ep=ep) if ep > 1 else sw.mesh()
-    job = sw.compile(make_model("moe", "fp64", seed=1, capacity_factor=2.0), optimizer=adamw, strategy="zero2",
+    job = sw.compile(make_model("moe", "fp64", seed=1, capacity_factor=2.0), optimizer=adamw, strategy=strategy,
                      mesh=mesh)
     job.load(path)
     return float(job.step(make_batch("moe", step, dist.get_rank()))), job.full_state_dict()
-
-
-def hf_capacity_reference(kind: str, ws: int, steps: int, factor: float):
-    """``hf_reference`` (fp32) with every experts module under GShard's capacity rule on one device
-    (passes/ep.py ``capacity_dispatch`` without ranks): each of the ws micro-batches dispatched alone."""
-    from shardwise.passes.ep import capacity_dispatch, hf_experts
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = make_hf(kind, "fp32")
-        for _, m in hf_experts(model):
-            m.forward = lambda h, i, w, _m=m: capacity_dispatch(_m, h, i, w, factor, 1, None)
-        opt = adamw(list(model.named_parameters()))
-        losses = []
-        for s in range(steps):
-            tot = 0.0
-            for r in range(ws):
-                loss = model(**hf_batch(s, r)).loss / ws
-                loss.backward()
-                tot += loss.item()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(tot)
-        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "cpu", **compile_kw):

@@ -309,7 +309,8 @@ def load_state_dict(job, sd: dict, extra: dict | None = None) -> dict:
             for n in st.names:
                 if not st.trainable[n]:
                     st.full[n].copy_(st.gather_full(n, job.group, job.mesh.dp).to(st.full[n].dtype))
-        if job.tp is not None and st.tp is None:  # before the first step: the whole weights its tp shards are cut from
+        if (job.tp or job.ep) is not None and st.tp is None:
+            # before the first step: the model's whole weights, which its tp (ep) shards are cut from
             for n, p in job.model.named_parameters():
                 p.copy_(st.gather_full(n, job.group, job.mesh.dp).reshape(p.shape))
     job.steps = meta["steps"]
