@@ -1,5 +1,5 @@
 """Capture: the single-device training step as one ATen FX graph."""
 
-from .trace import Capture, batch_signature, capture_step, flatten_batch, forward_nodes
+from .trace import Capture, batch_signature, capture_step, flatten_batch, forward_nodes, hf_experts
 
-__all__ = ["Capture", "batch_signature", "capture_step", "flatten_batch", "forward_nodes"]
+__all__ = ["Capture", "batch_signature", "capture_step", "flatten_batch", "forward_nodes", "hf_experts"]

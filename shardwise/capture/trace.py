@@ -207,10 +207,17 @@ def _data_dependent(e: BaseException) -> bool:
         "data-dependent" in str(e).lower() or "DataDependent" in type(e).__name__
 
 
+def hf_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The Hugging Face experts modules of ``model`` (``use_experts_implementation``'s: the attributes
+    its wrapper sets, in transformers 5.17 and 5.24 alike): (name, module)."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "num_experts")]
+
+
 def _hf_looped_experts(model: nn.Module) -> list[nn.Module]:
-    """Hugging Face experts modules (``use_experts_implementation``) set to their per-expert loop."""
-    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
-            and getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"]
+    """Hugging Face experts modules set to their per-expert loop."""
+    return [m for _, m in hf_experts(model)
+            if getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager"]
 
 
 @contextlib.contextmanager

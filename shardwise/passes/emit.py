@@ -219,6 +219,29 @@ def all_reduce_many(
     return outs
 
 
+def sum_after_last(g: fx.Graph, xs: list[fx.Node], ranks: int, group: str, *, axis: str, params=(),
+                   stage: str | None = None) -> list[fx.Node]:
+    """``xs`` summed over the group: one all-reduce per dtype, placed right after the last of them
+    is made (gradients of parameters whole on ``axis``); returns the sums, in ``xs``'s order."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    by_dtype: dict = {}
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(val(x).dtype, []).append(i)
+    out: list = [None] * len(xs)
+    for idx in by_dtype.values():
+        last = max((xs[i] for i in idx), key=order.__getitem__)
+        with g.inserting_after(last):
+            anchor = g.call_function(aten.alias.default, (last,))  # keeps the insertion point
+        anchor.meta["val"] = val(last)
+        with g.inserting_before(anchor):
+            summed = all_reduce_many(g, [xs[i] for i in idx], ranks, group, op="sum", phase="bwd", axis=axis,
+                                     stage=stage, params=tuple(params[i] for i in idx) if params else ())
+        g.erase_node(anchor)
+        for i, y in zip(idx, summed):
+            out[i] = y
+    return out
+
+
 def collectives(gm: fx.GraphModule, axis: str | None = None) -> list[fx.Node]:
     """The collective-start nodes of a graph (on mesh ``axis``, or on any), in graph order."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and collective_of(n) is not None

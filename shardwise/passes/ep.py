@@ -307,22 +307,11 @@ def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
     out = g.find_nodes(op="output")[0]
     outs = list(out.args[0])
     grads = [name for name, t in zip(params.values(), cap.trainable) if t] if len(outs) > 1 else []
-    order = {n: i for i, n in enumerate(g.nodes)}
     shared = [i + 1 for i, name in enumerate(grads) if name not in counts and isinstance(outs[i + 1], fx.Node)]
-    by_dtype: dict = {}
-    for i in shared:
-        by_dtype.setdefault(outs[i].meta["val"].dtype, []).append(i)
-    for idx in by_dtype.values():
-        last = max((outs[i] for i in idx), key=order.__getitem__)
-        with g.inserting_after(last):
-            anchor = g.call_function(aten.alias.default, (last,))  # keeps the insertion point
-        anchor.meta["val"] = last.meta["val"]
-        with g.inserting_before(anchor):
-            summed = emit.all_reduce_many(g, [outs[i] for i in idx], ranks, group, op="sum", phase="bwd", axis="ep",
-                                          stage=stage, params=tuple(grads[i - 1] for i in idx))
-        g.erase_node(anchor)
-        for i, y in zip(idx, summed):
-            outs[i] = y
+    summed = emit.sum_after_last(g, [outs[i] for i in shared], ranks, group, axis="ep",
+                                 params=[grads[i - 1] for i in shared], stage=stage)
+    for i, y in zip(shared, summed):
+        outs[i] = y
     loss = outs[0]
     with g.inserting_before(out):
         v = loss.meta["val"]
@@ -340,10 +329,11 @@ def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
 # -- experts whose dispatch the graph cannot show statically (Hugging Face's) ------------------------
 
 def hf_experts(model, plan=None) -> list[tuple[str, object]]:
-    """The Hugging Face experts modules of ``model`` (``use_experts_implementation``'s): (name, module);
-    with a ``plan``, those whose parameters its globs name."""
-    mods = [(n, m) for n, m in model.named_modules()
-            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "num_experts")]
+    """The Hugging Face experts modules of ``model`` (capture's ``hf_experts``): (name, module); with a
+    ``plan``, those whose parameters its globs name."""
+    from ..capture import hf_experts as found
+
+    mods = found(model)
     if plan is None or not mods:
         return mods
     params = {f"{n}.{p}" if n else p: (n, m) for n, m in mods for p, _ in m.named_parameters(recurse=False)}

@@ -233,23 +233,11 @@ def _reason(r, readers) -> str:
 
 def _sum_gradients(g, xs, grad_of, ranks, group, pl, stage=None):
     """One all-reduce per dtype of the partial gradients ``xs``, after the last of them is made."""
-    order = {n: i for i, n in enumerate(g.nodes)}
     out = g.find_nodes(op="output")[0]
-    by_dtype: dict = {}
-    for x in xs:
-        by_dtype.setdefault(x.meta["val"].dtype, []).append(x)
-    for group_xs in by_dtype.values():
-        last = max(group_xs, key=order.__getitem__)
-        with g.inserting_after(last):
-            anchor = g.call_function(torch.ops.aten.alias.default, (last,))  # keeps the insertion point
-        anchor.meta["val"] = last.meta["val"]
-        with g.inserting_before(anchor):
-            summed = emit.all_reduce_many(g, group_xs, ranks, group, op="sum", phase="bwd", axis="tp", stage=stage,
-                                          params=tuple(grad_of[x] for x in group_xs))
-        g.erase_node(anchor)
-        for x, y in zip(group_xs, summed):
-            out.replace_input_with(x, y)
-            pl[y] = Replicate()
+    summed = emit.sum_after_last(g, xs, ranks, group, axis="tp", params=[grad_of[x] for x in xs], stage=stage)
+    for x, y in zip(xs, summed):
+        out.replace_input_with(x, y)
+        pl[y] = Replicate()
 
 
 def _split_dim(n: fx.Node) -> int:
