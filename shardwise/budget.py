@@ -115,6 +115,19 @@ class MemoryPlan:
         reserve = sum(st.param_bytes(n) for n in st.params) if st is not None and not self.offload_all else 0
         return left, reserve
 
+    def graph_room(self, tensors, shrink: float = 1.0) -> int | None:
+        """Bytes a step graph may use where nothing refuses it: the budget's (on CUDA without one, the
+        device's memory) less the state this rank holds between steps, scaled by ``shrink`` (the share
+        it will hold once a plan made with this graph cuts it), and less ``tensors``; 0 where nothing
+        is left, None where no limit is known (the CPU without a budget)."""
+        limit = self.budget if self.budget is not None else (
+            budget_bytes(1.0, self.device) if self.device.type == "cuda" else None)
+        if limit is None:
+            return None
+        held = sum(self.resident_bytes().values()) * shrink
+        held += sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
+        return max(0, int(limit - held - self.slack))
+
     def check(self, predicted: int, measured: int, steps: int) -> bool:
         """A measured step (after ``steps`` steps) against its prediction (maxima over ranks): whether
         the plan must be made again (the peak was over the budget or more than 10% off), the gap then

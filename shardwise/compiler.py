@@ -108,9 +108,14 @@ class ExpertParallelAxis:
     """The mesh's ep axis as the compiler partitions for it (passes/ep.py): its ranks, this rank's
     coordinate, its group and, once the first step is captured, each expert parameter's placement."""
 
-    def __init__(self, ranks: int, rank: int, group, plan=None, capacity: float | None = None):
+    def __init__(self, ranks: int, rank: int, group, plan=None, capacity: float | str | None = None):
         self.ranks, self.rank, self.group, self.plan, self.capacity = ranks, rank, group, plan, capacity
         self.placements: dict | None = None
+        self.factor: float | None = None if capacity in (None, "dropless") else capacity
+        """Hugging Face experts' capacity factor (None: dropless), chosen with the first program where
+        the user left it open (``capacity`` None: passes/ep.py ``dispatch_choice``)."""
+        self.dispatch_choice: dict | None = None
+        """That choice: both dispatches' predicted step and graph peak, the room the graph had, which won."""
 
 
 def expert_parallel_axis(mesh, config: JobConfig) -> ExpertParallelAxis | None:
@@ -260,6 +265,34 @@ class Compiler:
             local = tp_pass.partition(*args, gather=gather)[0]
         return local, placements, gather
 
+    def _traced_ep(self, batch, train: bool, tensors):
+        """(The ep-local step of a model with Hugging Face experts, traced through ``hf_forwards``, and
+        the expert placements). Its dispatch is the user's, or, left open, chosen with the first
+        program (``dispatch_choice``) by the room its graph has: the budget's graph share, or the GPU's
+        memory, less the state this rank will hold once its experts are cut to ``1/ep``."""
+        from .passes import ep as ep_pass
+
+        ep = self.ep
+
+        def trace(factor):
+            forwards, shapes, counts = ep_pass.hf_forwards(self.model, ep.ranks, ep.rank, ep.group, ep.plan, factor)
+            cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
+                               param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device,
+                               forwards=forwards, shapes=shapes)
+            return ep_pass.finish_traced(cap, counts, ep.ranks, ep.group.group_name, self.ctx.stage, factor,
+                                         shard_shared=self.strategy != "ddp")
+
+        if ep.capacity is not None or ep.dispatch_choice is not None:
+            return trace(ep.factor)
+        counts = ep_pass.hf_forwards(self.model, ep.ranks, ep.rank, ep.group, ep.plan)[2]
+        shapes = self.plan.state.shapes
+        total = sum(s.numel() for s in shapes.values()) or 1
+        experts = sum(shapes[n].numel() for n in counts if n in shapes)
+        room = self.plan.graph_room(tensors, 1 - experts / total * (1 - 1 / ep.ranks))
+        result, ep.dispatch_choice = ep_pass.dispatch_choice(trace, self.ctx.cost, room)
+        ep.factor = ep.dispatch_choice["factor"]
+        return result
+
     def _agree(self, prog) -> None:
         """The captured single-device graph and the final plan (the rewritten, bucketed, scheduled
         program, whose node order is the order of collectives) must be the same on every rank."""
@@ -294,26 +327,22 @@ class Compiler:
             if self.ep is not None and self.ep.capacity is not None and not traced_ep:
                 raise ValueError("ep_capacity_factor applies to Hugging Face experts; the built-in MoE takes its "
                                  "capacity from its config (capacity_factor=...)")
-            forwards, shapes, counts = (ep_pass.hf_forwards(self.model, self.ep.ranks, self.ep.rank, self.ep.group,
-                                                            self.ep.plan, self.ep.capacity)
-                                        if traced_ep else (None, None, None))
-            cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
-                               param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device,
-                               forwards=forwards, shapes=shapes)
             placements = gather = None
+            if traced_ep:  # experts split as traced (Hugging Face's)
+                cap, placements = self._traced_ep(batch, train, tensors)
+            else:
+                cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
+                                   param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device)
             if self.tp is not None:
                 cap, placements, gather = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
-            if self.ep is not None:  # experts split as traced (Hugging Face's), or by the graph's rewrite
-                cap, placements = (ep_pass.finish_traced(cap, counts, self.ep.ranks, self.ep.group.group_name,
-                                                         self.ctx.stage, self.ep.capacity)
-                                   if traced_ep else
-                                   ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
-                                                     self.ep.plan))
-                if self.ep.placements not in (None, placements):
-                    raise ValueError(f"the experts found in this batch's graph ({sorted(placements)}) are not "
-                                     f"those of the first step's ({sorted(self.ep.placements)})")
+            if self.ep is not None and not traced_ep:  # experts split by the graph's rewrite
+                cap, placements = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
+                                                    self.ep.plan, shard_shared=self.strategy != "ddp")
+            if self.ep is not None and self.ep.placements not in (None, placements):
+                raise ValueError(f"the parameters split over ep in this batch's graph ({sorted(placements)}) are not "
+                                 f"those of the first step's ({sorted(self.ep.placements)})")
             # the first tp (ep) program under a budget is planned again once the state holds its shards
             # (below): the one every rank agrees on first needs no budget's search
             first_tp = placements is not None and self._axis().placements is None

@@ -197,10 +197,13 @@ class JobConfig:
     ep_plan: list | tuple | None = None
     """Where the mesh has an ep axis: parameter-name globs of the expert parameters to split over it
     (each ``[experts, ...]``); None: those found from the graph (passes/ep.py)."""
-    ep_capacity_factor: float | None = None
-    """Where the ep axis splits Hugging Face experts: GShard's capacity rule with this factor (pairs past
-    an expert's capacity dropped; all-to-alls of fixed blocks) instead of the dropless gather of
-    every pair to every rank (None). The built-in MoE sets its own (``capacity_factor``)."""
+    ep_capacity_factor: float | str | None = None
+    """Where the ep axis splits Hugging Face experts, how their pairs reach them: a number is GShard's
+    capacity rule with this factor (pairs past an expert's capacity dropped; all-to-alls of fixed
+    blocks); ``"dropless"`` the gather of every pair to every rank (buffers for the worst case); None
+    dropless where its predicted graph peak fits the memory (the budget's graph share, or the GPU's),
+    else capacity at ``DEFAULT_CAPACITY`` (passes/ep.py ``dispatch_choice``; explain says which and
+    why). The built-in MoE sets its own (``capacity_factor``)."""
     timeout: float | None = 100.0
     """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load
     or export is watched for a rank that raises, not for time). A rank that waits
@@ -245,10 +248,10 @@ class JobConfig:
                                          or not self.ep_plan):
             raise ValueError(f"ep_plan must be a non-empty list of parameter-name globs (e.g. ['*.experts.*']), "
                              f"got {self.ep_plan!r}")
-        if self.ep_capacity_factor is not None and not (isinstance(self.ep_capacity_factor, (int, float))
-                                                        and self.ep_capacity_factor > 0):
-            raise ValueError(f"ep_capacity_factor must be a positive number (1.25 is common) or None (dropless), "
-                             f"got {self.ep_capacity_factor!r}")
+        c = self.ep_capacity_factor
+        if c is not None and c != "dropless" and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):
+            raise ValueError(f"ep_capacity_factor must be a positive number (1.25 is common), 'dropless', or None "
+                             f"(dropless where it fits the memory), got {c!r}")
         if self.vocab_parallel is not None and self.tp_plan not in (None, "megatron"):
             raise ValueError("vocab_parallel chooses for Megatron's plan; a tp_plan by hand places the head "
                              "itself (e.g. {'head.weight': sw.Shard(0)})")

@@ -149,7 +149,7 @@ def _moe_lines(job, prog) -> list[str]:
     if not layers:
         return []
     fwd = [n for n in prog.collective_nodes() if collective_of(n).axis == "ep" and collective_of(n).phase == "fwd"
-           and collective_of(n).kind != "all_reduce"]
+           and collective_of(n).kind != "all_reduce" and not collective_of(n).params]  # not a weight's gather
     head = f"MoE layer (ep={layers[0]['ranks']})"
     out = [(f"    {head:34s} {'dispatch':>9s} {'experts':>7s} {'/rank':>5s} {'capacity':>8s} "
             f"{'fwd sent/rank':>13s} {'pred µs':>8s} {'dropped':>7s}")]
@@ -162,8 +162,18 @@ def _moe_lines(job, prog) -> list[str]:
         sent = sum(collective_of(n).sent_bytes for n in mine)
         t = sum(job.cost.comm_time(n) for n in mine) * 1e6
         out.append(f"    {prefix or '(top)':34s} {'capacity' if cap else 'dropless':>9s} {e:7d} {e // ep:5d} "
-                   f"{cap if cap else '-':>8} {sent / 1024:10.1f}KiB {t:8.1f} {'-' if dropped is None else int(dropped):>7}")
+                   f"{cap if cap else '-':>8} {sent / 1024:10.1f}KiB {t:8.1f} "
+                   f"{'-' if dropped is None or not cap else int(dropped):>7}")
     if any(not layer["capacity"] for layer in layers):
         out.append("    dropless: the experts' group sizes follow the routing, so every rank's pairs go to every "
                    "rank (buffers for the worst case)")
+    c = job.ep.dispatch_choice if job.ep is not None else None
+    if c:
+        room = "no memory limit known" if c["room"] is None else f"the graph's room {size_text(c['room'])}"
+        why = (f"dropless, by the cost model: its graph peak {size_text(c['dropless_peak'])} fits {room}"
+               if c["dispatch"] == "dropless" else
+               f"capacity x{c['factor']:g}, by the cost model: dropless needs a graph peak of "
+               f"{size_text(c['dropless_peak'])}, over {room}; capacity's is {size_text(c['capacity_peak'])} "
+               f"(step {c['dropless_s'] * 1e3:.3f} ms dropless vs {c['capacity_s'] * 1e3:.3f} ms)")
+        out.append(f"    {why}; ep_capacity_factor=C or 'dropless' decides instead")
     return out

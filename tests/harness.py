@@ -1056,8 +1056,10 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
            **compile_kw):
     """The tiny fp64 MoE (capacity dispatch ``cf``) on a mesh of dp x ``ep`` ranks, each rank taking the
     batch of its global rank. Returns (losses, full_state_dict, what rank 0's step program holds: its
-    collectives by (axis, kind, phase), the parameters' local shapes, the bytes of this rank's
-    expert parameters and their optimizer state). ``save``: a checkpoint written there at the end."""
+    collectives by (axis, kind, phase), its ep collectives of parameters by (kind, phase, parameter),
+    the MoE layers' expert parameters, the parameters' local shapes, the bytes of this rank's expert
+    parameters and their optimizer state, and of the others'). ``save``: a checkpoint written there
+    at the end."""
     from collections import Counter
 
     from shardwise.sharding.collective import collective_of
@@ -1072,12 +1074,19 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
     experts = [n for n in job.state.names if ".ffn.w" in n]
     st = job.state
     held = st.full if strategy == "ddp" else st.master
-    nbytes = sum(held[n].numel() * held[n].element_size() for n in experts)
-    nbytes += sum(v.numel() * v.element_size() for n in experts for v in job.optimizer.state[st.opt_tensors[n]].values()
-                  if v.dim() > 0)
-    info = {"phases": Counter((c.axis, c.kind, c.phase) for c in map(collective_of, prog.collective_nodes())),
+
+    def held_bytes(names):
+        return sum(held[n].numel() * held[n].element_size() + sum(
+            v.numel() * v.element_size() for v in job.optimizer.state[st.opt_tensors[n]].values() if v.dim() > 0)
+            for n in names)
+
+    cs = list(map(collective_of, prog.collective_nodes()))
+    info = {"phases": Counter((c.axis, c.kind, c.phase) for c in cs),
+            "ep_params": Counter((c.kind, c.phase, c.param) for c in cs if c.axis == "ep" and c.params),
+            "moe_params": sorted(p for layer in prog.capture.moe_layers for p in layer["params"]),
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
-            "expert_bytes": nbytes, "n_layer": len(model.blocks) if hasattr(model, "blocks") else None,
+            "expert_bytes": held_bytes(experts), "shared_bytes": held_bytes([n for n in st.names if n not in experts]),
+            "n_layer": len(model.blocks) if hasattr(model, "blocks") else None,
             "dropped": {k: int(v) for k, v in job.buffers.items() if k.endswith("dropped")}, "explain": job.explain()}
     return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, info
 
@@ -1094,7 +1103,8 @@ def ep_resumed(path: str, ep: int, step: int, strategy: str = "zero2"):
 
 def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "cpu", **compile_kw):
     """``hf_run`` (fp32) on a mesh of dp x ``ep`` ranks, each taking its global rank's batches:
-    (losses, full_state_dict, the ep collectives by (kind, phase), the experts' local shapes)."""
+    (losses, full_state_dict, the ep collectives of no parameter by (kind, phase), the experts' local
+    shapes, explain)."""
     from collections import Counter
 
     from shardwise.sharding.collective import collective_of
@@ -1104,9 +1114,19 @@ def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "
     losses = [float(job.step({k: v.to(device) for k, v in hf_batch(s, dist.get_rank()).items()}))
               for s in range(steps)]
     prog = job.programs()[0]
-    cs = Counter((c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()) if c.axis == "ep")
+    cs = Counter((c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()) if c.axis == "ep"
+                 and not c.params)  # the experts' dispatch, not the other weights' ZeRO over ep
     shapes = {n: tuple(s) for n, s in zip(prog.capture.param_names, prog.capture.param_shapes) if "experts" in n}
     return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, cs, shapes, job.explain()
+
+
+def hf_ep_dispatch(kind: str, steps: int, budget: int):
+    """``hf_ep_run``'s model on ep=2 (zero3) with its dispatch left to the cost model under
+    ``memory_budget=budget``: (losses, full_state_dict, the dispatch choice, explain)."""
+    job = sw.compile(make_hf(kind, "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(ep=2),
+                     memory_budget=budget)
+    losses = [float(job.step(hf_batch(s, dist.get_rank()))) for s in range(steps)]
+    return losses, job.full_state_dict(), job.ep.dispatch_choice, job.explain()
 
 
 def hf_ep_overlap():
@@ -1120,10 +1140,14 @@ def hf_ep_overlap():
     nodes = list(cap.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     phs = dict(zip(cap.param_names, cap.gm.graph.find_nodes(op="placeholder")))
-    w = phs["model.layers.0.mlp.shared_expert.gate_proj.weight"]
-    reads = [u for t in w.users for u in (t, *t.users)]
+    reads, stack = set(), [phs["model.layers.0.mlp.shared_expert.gate_proj.weight"]]
+    while stack:  # the weight's readers, through its gather over ep (zero3 over dp x ep) and views
+        for u in stack.pop().users:
+            if u not in reads and len(reads) < 50:
+                reads.add(u)
+                stack.append(u)
     product = min((u for u in reads if u.target is torch.ops.aten.mm.default), key=pos.get)
     start = next(n for n in nodes if n.op == "call_function" and collective_of(n) is not None
-                 and collective_of(n).axis == "ep")
+                 and collective_of(n).axis == "ep" and not collective_of(n).params)
     first_read = min(next(iter(start.users)).users, key=pos.get)
     return pos[start], pos[product], pos[first_read]

@@ -38,9 +38,12 @@ def test_expert_parallel_with_dropped_tokens_equals_one_device_under_the_same_ca
 def test_an_ep_plan_names_the_experts_to_split(pools):
     """ep_plan: only the first layer's experts split over ep; the second's stay whole on every ep
     rank, their gradients averaged as the other parameters' are. Same numbers as one device."""
-    info = _parity(pools, "zero3", 2, 2, ep_plan=["blocks.0.ffn.w*"])
-    assert info["shapes"]["blocks.0.ffn.w1"][0] == 2 and info["shapes"]["blocks.1.ffn.w1"][0] == 4
+    info = _parity(pools, "zero2", 2, 2, ep_plan=["blocks.0.ffn.w*"])
+    assert info["moe_params"] == ["blocks.0.ffn.w1", "blocks.0.ffn.w2", "blocks.0.ffn.w3"], info["moe_params"]
     assert sum(v for (axis, kind, _), v in info["phases"].items() if kind == "all_to_all") == 4  # one layer's
+    # the second layer's experts are ZeRO-sharded over ep as the other parameters are: gathered whole
+    assert info["ep_params"][("all_gather", "fwd", "blocks.1.ffn.w1")] == 1
+    assert not any(p.startswith("blocks.0.ffn.w") for _, _, p in info["ep_params"])
 
 
 def test_expert_parallel_gradient_accumulation_parity(pools):
@@ -56,14 +59,26 @@ def test_expert_parallel_gradient_accumulation_parity(pools):
 def test_one_dispatch_and_one_combine_all_to_all_per_moe_layer_and_no_expert_gathered_across_ep(pools):
     """The graph change: per MoE layer, an all-to-all sends the tokens to their experts and one brings
     the outputs back in the forward, and the backward has their two transposes, all on the ep axis;
-    nothing is all-gathered over ep. The other parameters' gradients are summed over ep in one
-    all-reduce (and the loss in another); zero3 gathers the expert shards over dp only."""
+    no expert parameter is all-gathered over ep. Under zero3 every other parameter is ZeRO-sharded
+    over dp x ep: gathered over ep before its forward use and again for its backward one, its
+    gradient reduce-scattered over ep (the loss all-reduced). Under ddp the others stay whole, their
+    gradients summed over ep in one all-reduce."""
     _, _, info = pools(4).run(harness.ep_run, "zero3", 1, 2)[0]
     layers = info["n_layer"]
-    ep = {k: v for k, v in info["phases"].items() if k[0] == "ep"}
+    ep = {k: v for k, v in info["phases"].items() if k[0] == "ep" and k[1] != "all_gather" and k[1] != "reduce_scatter"}
     assert ep == {("ep", "all_to_all", "fwd"): 2 * layers, ("ep", "all_to_all", "bwd"): 2 * layers,
-                  ("ep", "all_reduce", "bwd"): 2}, ep
+                  ("ep", "all_reduce", "bwd"): 1}, ep
+    shared = [n for n in info["shapes"] if n not in info["moe_params"]]
+    # per layer its norms, attention and router; the embedding, last norm and head
+    assert len(info["moe_params"]) == 3 * layers and len(shared) == 7 * layers + 3
+    want = {(k, ph, n): 1 for n in shared for k, ph in (("all_gather", "fwd"), ("reduce_scatter", "bwd"))}
+    assert {k: v for k, v in info["ep_params"].items() if k[1] == "fwd" or k[0] == "reduce_scatter"} == want
+    again = {n for k, ph, n in info["ep_params"] if (k, ph) == ("all_gather", "bwd")}
+    assert {n for n in shared if n.endswith(("wq.weight", "wo.weight", "head.weight"))} <= again <= set(shared)
+    assert all(info["shapes"][n][0] * 2 == harness.make_model("moe", "fp64").get_parameter(n).shape[0] for n in shared)
     assert info["phases"][("dp", "all_gather", "fwd")] > 0
+    _, _, info = pools(4).run(harness.ep_run, "ddp", 1, 2)[0]
+    assert {k: v for k, v in info["phases"].items() if k[0] == "ep" and k[1] != "all_to_all"} == {("ep", "all_reduce", "bwd"): 2}
 
 
 def test_expert_parameters_and_their_optimizer_state_per_rank_fall_by_ep(pools):
@@ -72,6 +87,15 @@ def test_expert_parameters_and_their_optimizer_state_per_rank_fall_by_ep(pools):
     dp2 = pools(2).run(harness.ep_run, "ddp", 1, 1)[0][2]["expert_bytes"]
     ep2 = pools(2).run(harness.ep_run, "ddp", 1, 2)[0][2]["expert_bytes"]
     assert ep2 * 2 == dp2, (dp2, ep2)
+
+
+def test_under_zero3_the_other_parameters_and_their_state_are_sharded_over_dp_x_ep(pools):
+    """Measured: on ep=2 (a dp axis of one) zero3 holds half of the non-expert parameters and their
+    optimizer state, as zero3 on dp=2 does, rather than all of them."""
+    whole = pools(2).run(harness.ep_run, "ddp", 1, 2)[0][2]["shared_bytes"]
+    dp2 = pools(2).run(harness.ep_run, "zero3", 1, 1)[0][2]["shared_bytes"]
+    ep2 = pools(2).run(harness.ep_run, "zero3", 1, 2)[0][2]["shared_bytes"]
+    assert ep2 == dp2 and ep2 * 2 == whole, (whole, dp2, ep2)
 
 
 def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_path):

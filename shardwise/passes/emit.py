@@ -156,14 +156,14 @@ def start_and_wait(g, target, args, out_shape, dtype, device, c: Collective, sta
 
 def all_gather(
     g: fx.Graph, shard: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, phase: str = "fwd",
-    stage: str | None = None,
+    stage: str | None = None, axis: str = "dp",
 ) -> fx.Node:
-    """Full parameter (``layout.shape``) from this rank's padded ``Shard(0)`` piece."""
+    """Full parameter (``layout.shape``) from this rank's padded ``Shard(0)`` piece (over mesh ``axis``)."""
     v = val(shard)
     if layout.ranks == 1:
         return reshape(g, shard, layout.shape)
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
-    c = collective("all_gather", nbytes, layout.ranks, phase, (param,) if param else ())
+    c = collective("all_gather", nbytes, layout.ranks, phase, (param,) if param else (), axis=axis)
     out = start_and_wait(
         g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ranks, group), layout.padded_shape,
         v.dtype, v.device, c, stage,
@@ -176,9 +176,9 @@ def all_gather(
 
 def reduce_scatter(
     g: fx.Graph, full: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, op: str = "avg",
-    stage: str | None = None,
+    stage: str | None = None, axis: str = "dp",
 ) -> fx.Node:
-    """This rank's ``Shard(0)`` piece of the ``op``-reduction of ``full`` over the group."""
+    """This rank's ``Shard(0)`` piece of the ``op``-reduction of ``full`` over the group (of mesh ``axis``)."""
     v = val(full)
     x = reshape(g, full, layout.shape2)
     if layout.ranks == 1:
@@ -187,7 +187,7 @@ def reduce_scatter(
         pad = [0, 0] * (len(layout.shape2) - 1) + [0, layout.pad_rows]
         x = node(g, aten.constant_pad_nd.default, (x, pad, 0.0), fake(layout.padded_shape, v.dtype, v.device))
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
-    c = collective("reduce_scatter", nbytes, layout.ranks, "bwd", (param,) if param else ())
+    c = collective("reduce_scatter", nbytes, layout.ranks, "bwd", (param,) if param else (), axis=axis)
     return start_and_wait(
         g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ranks, group), layout.local_shape,
         v.dtype, v.device, c, stage,

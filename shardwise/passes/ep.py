@@ -22,7 +22,8 @@ Outside the region every value is this rank's own, as under data parallelism: th
 other parameters are summed over the ep ranks and every gradient and the loss taken as the mean of
 the ep ranks' (each rank's loss is its micro-batch's mean). The result is a Capture of the ep-local
 step, its expert parameters the ep shards (``Shard(0)``), which the data-parallel strategy passes
-then shard as they would a single device's (ZeRO over the dp axis).
+then shard as they would a single device's (ZeRO over the dp axis). Under a ZeRO strategy the other
+parameters are cut over ep too (``_shard_shared``): ZeRO over dp x ep.
 
 Hugging Face experts (``use_experts_implementation``) sort their pairs by expert into groups whose
 sizes follow the routing, which no static graph rewrite can move: they are split as the step is
@@ -39,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import Capture
-from ..sharding import Shard
+from ..sharding import Shard, ShardLayout
 from ..sharding.collective import collective_of, mark
 from ..sharding.rules.pointwise import is_pointwise
 from . import emit
@@ -193,9 +194,11 @@ def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | Non
 
 
 def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
-              plan=None) -> tuple[Capture, dict[str, Shard]]:
-    """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring).
-    Returns (its Capture, each expert parameter's placement on the ep axis: ``Shard(0)``)."""
+              plan=None, shard_shared: bool = False) -> tuple[Capture, dict[str, Shard]]:
+    """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring);
+    with ``shard_shared`` (a ZeRO strategy on dp), the other parameters sharded over ep too
+    (``_shard_shared``). Returns (its Capture, each split parameter's placement on the ep axis:
+    ``Shard(0)``)."""
     from ..capture import forward_nodes
 
     counts = experts_of(cap, ranks, plan)
@@ -238,12 +241,38 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
             back = _from_experts(g, n, ranks, group, "fwd" if n in fwd else "bwd", stage)
         for u in outside:
             u.replace_input_with(n, back)
-    _mean_over_ranks(g, cap, params, counts, ranks, group, stage)
+    shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
+    _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
     issue_early(g)
-    # the inputs' local values (this rank's experts), and every value traced again on them
+    # the inputs' local values (this rank's experts; the shared ones' placeholders are already), and
+    # every value traced again on them
     emit.retrace(gm, lambda ph, shape: [shape[0] // ranks, *shape[1:]] if ph in experts else shape)
-    shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in counts else s for n, s in zip(cap.param_names, cap.param_shapes)]
-    return dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers), {n: Shard(0) for n in counts}
+    split = {**counts, **shared}
+    shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in split else s for n, s in zip(cap.param_names, cap.param_shapes)]
+    return dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers), {n: Shard(0) for n in split}
+
+
+def _shard_shared(g: fx.Graph, params: dict, counts: dict, ranks: int, group: str, stage) -> dict:
+    """ZeRO of the other (non-expert) parameters over the ep axis as well, so that with the dp
+    strategy's own it is over dp x ep, every rank holding ``1/(dp*ep)``: each one whose dim 0 the ep
+    ranks divide enters as this rank's ``Shard(0)`` rows on ep and is all-gathered over ep right
+    before its first reader (zero3 gives its backward readers a gather of their own, as it does its
+    dp gather); its gradient is reduce-scattered over ep (``_mean_over_ranks``). Two gathers, over dp
+    then ep, send what one over dp x ep would. Returns {name: its ep layout}."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    out = {}
+    for ph, name in params.items():
+        v = ph.meta["val"]
+        if name in counts or v.dim() == 0 or v.shape[0] % ranks or not v.is_floating_point() or not ph.users:
+            continue
+        out[name] = lay = ShardLayout(tuple(v.shape), ranks)
+        users = list(ph.users)
+        ph.meta["val"] = emit.fake(lay.local_shape, v.dtype, v.device)
+        with g.inserting_before(min(users, key=order.__getitem__)):
+            whole = emit.all_gather(g, ph, lay, group, param=name, stage=stage, axis="ep")
+        for u in users:
+            u.replace_input_with(ph, whole)
+    return out
 
 
 def _layer(x: fx.Node, region: set, params: dict, ranks: int) -> dict:
@@ -296,30 +325,43 @@ def issue_early(g: fx.Graph) -> int:
 
     for n in list(g.nodes):
         c = collective_of(n) if n.op == "call_function" else None
-        if c is not None and c.axis == "ep":
+        if c is not None and c.axis == "ep" and not c.params:  # a parameter's gather waits for its reader
             moved += hoist(n)
     return moved
 
 
-def _mean_over_ranks(g, cap, params, counts, ranks, group, stage) -> None:
+def _mean_over_ranks(g, cap, params, counts, ranks, group, stage, sharded=None) -> None:
     """The loss and every gradient as the mean over the ep ranks: the other parameters' gradients
-    summed over them (one all-reduce per dtype, after the last is made), all scaled by ``1/ep``."""
+    summed over them (one all-reduce per dtype, after the last is made; those ``sharded`` over ep
+    reduce-scattered as each is made), all scaled by ``1/ep``."""
     out = g.find_nodes(op="output")[0]
     outs = list(out.args[0])
     grads = [name for name, t in zip(params.values(), cap.trainable) if t] if len(outs) > 1 else []
-    shared = [i + 1 for i, name in enumerate(grads) if name not in counts and isinstance(outs[i + 1], fx.Node)]
+    sharded = sharded or {}
+    for i, name in enumerate(grads):
+        x = outs[i + 1]
+        if name in sharded and isinstance(x, fx.Node):
+            with g.inserting_before(x.next):
+                outs[i + 1] = emit.reduce_scatter(g, x, sharded[name], group, param=name, op="sum", stage=stage,
+                                                  axis="ep")
+    shared = [i + 1 for i, name in enumerate(grads) if name not in counts and name not in sharded
+              and isinstance(outs[i + 1], fx.Node)]
     summed = emit.sum_after_last(g, [outs[i] for i in shared], ranks, group, axis="ep",
                                  params=[grads[i - 1] for i in shared], stage=stage)
     for i, y in zip(shared, summed):
         outs[i] = y
     loss = outs[0]
-    with g.inserting_before(out):
+    # right after the loss is made, so that what comes before the loss is still the forward (zero3
+    # gives its backward gathers of its own by that)
+    with g.inserting_before(loss.next):
         v = loss.meta["val"]
         c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, "bwd", axis="ep",
                             reason="the loss: the mean of the ep ranks'")
-        outs[0] = emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, loss), "sum", group),
-                                      list(v.shape), v.dtype, v.device, c, stage)
-        for i, x in enumerate(outs[: len(grads) + 1]):
+        summed = emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, loss), "sum", group),
+                                     list(v.shape), v.dtype, v.device, c, stage)
+        outs[0] = emit.node(g, aten.mul.Tensor, (summed, 1.0 / ranks), emit.fake(list(v.shape), v.dtype, v.device))
+    with g.inserting_before(out):
+        for i, x in enumerate(outs[1: len(grads) + 1], 1):
             if isinstance(x, fx.Node):
                 w = x.meta["val"]
                 outs[i] = emit.node(g, aten.mul.Tensor, (x, 1.0 / ranks), emit.fake(list(w.shape), w.dtype, w.device))
@@ -341,15 +383,15 @@ def hf_experts(model, plan=None) -> list[tuple[str, object]]:
     return list({params[k][0]: params[k] for k in found}.values())
 
 
-def add_rank_buffers(model, ranks: int, rank: int, capacity: float | None = None) -> None:
+def add_rank_buffers(model, ranks: int, rank: int, capacity: float | str | None = None) -> None:
     """Each Hugging Face experts module gets ``ep_first_expert``: this rank's first expert on the ep
-    axis, which ``hf_forwards`` reads; under a ``capacity`` rule also ``dropped``, the pairs it
-    dropped in the last micro-batch (buffers, not saved)."""
+    axis, which ``hf_forwards`` reads; unless ``capacity`` is ``"dropless"`` also ``dropped``, the
+    pairs it dropped in the last micro-batch under a capacity rule (buffers, not saved)."""
     for _, m in hf_experts(model):
         dev = next(m.parameters()).device
         m.register_buffer("ep_first_expert", torch.tensor(rank * (m.num_experts // ranks), dtype=torch.long,
                                                           device=dev), persistent=False)
-        if capacity is not None:
+        if capacity != "dropless":
             m.register_buffer("dropped", torch.zeros((), dtype=torch.long, device=dev), persistent=False)
 
 
@@ -444,6 +486,28 @@ def hf_forwards(model, ranks: int, rank: int, group, plan=None,
     return forwards, shapes, counts
 
 
+DEFAULT_CAPACITY = 1.25
+"""The capacity factor Hugging Face experts fall back to where dropless does not fit (Switch
+Transformer's training factor)."""
+
+
+def dispatch_choice(trace, cost, room: int | None) -> tuple[tuple, dict]:
+    """How Hugging Face experts take their pairs where the user left it open: dropless unless its
+    step's predicted graph peak (``cost.estimate``) is over ``room`` (the bytes the graph may use;
+    None: no limit known), else GShard's capacity rule at ``DEFAULT_CAPACITY``. ``trace(factor)``
+    traces the ep-local step (``factor`` None: dropless). Returns (the chosen trace's result, the
+    choice: both predictions where both were made, the room, the dispatch and why)."""
+    dropless = trace(None)
+    t, peak = cost.estimate(dropless[0].gm)
+    choice = {"dropless_s": t, "dropless_peak": peak, "room": room}
+    if room is None or peak <= room:
+        return dropless, {**choice, "dispatch": "dropless", "factor": None}
+    capacity = trace(DEFAULT_CAPACITY)
+    tc, pc = cost.estimate(capacity[0].gm)
+    return capacity, {**choice, "dispatch": "capacity", "factor": DEFAULT_CAPACITY, "capacity_s": tc,
+                      "capacity_peak": pc}
+
+
 def _gather_autograd(fc, x, dim, group):
     """torch's differentiable all-gather (``all_gather_single_autograd`` where it has it)."""
     fn = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
@@ -476,8 +540,8 @@ _AUTOGRAD = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "r
              "all_to_all_single": "all_to_all"}
 
 
-def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str,
-                  stage: str | None = None, capacity: float | None = None) -> tuple[Capture, dict[str, Shard]]:
+def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, stage: str | None = None,
+                  capacity: float | None = None, shard_shared: bool = False) -> tuple[Capture, dict[str, Shard]]:
     """The ep-local step traced through ``hf_forwards``: its collectives made the plain functional ones
     the passes read (named, by kind, phase and bytes, on the ep axis; with ``stage``, their payloads
     copied there and back, as gloo ranks on a GPU need), and the other gradients and the loss
@@ -506,7 +570,9 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str,
                                      axis="ep", reason=what if n in fwd else f"gradients: {what}"))
         _staged(g, n, stage)
     phs = g.find_nodes(op="placeholder")
-    _mean_over_ranks(g, cap, dict(zip(phs[: cap.n_params], cap.param_names)), counts, ranks, group, stage)
+    params = dict(zip(phs[: cap.n_params], cap.param_names))
+    shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
+    _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
     g.eliminate_dead_code()
     issue_early(g)
     g.lint()
@@ -518,4 +584,6 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str,
     layers = [{"params": sorted(names), "experts": counts[names[0]], "ranks": ranks,
                "capacity": None if capacity is None else f"x{capacity:g}", "fwd_collectives": 4 if capacity is None else 2}
               for names in by_module.values()]
-    return dataclasses.replace(cap, gm=gm, moe_layers=layers), {n: Shard(0) for n in counts}
+    shapes = [torch.Size(shared[n].local_shape) if n in shared else s for n, s in zip(cap.param_names, cap.param_shapes)]
+    return (dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers),
+            {n: Shard(0) for n in {**counts, **shared}})

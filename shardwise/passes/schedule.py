@@ -35,13 +35,14 @@ def payload(start: fx.Node) -> int:
 
 
 def feed_chain(start: fx.Node) -> list[fx.Node] | None:
-    """The nodes between a shard placeholder and an all-gather start, if it depends on nothing else."""
+    """The nodes between a shard placeholder and an all-gather start, if it depends on nothing else
+    (a gather fed by another collective, the second of a two-axis gather, starts where it stands)."""
     chain, stack = [], [start.args[0]]
     while stack:
         n = stack.pop()
         if n.op == "placeholder":
             continue
-        if n.op != "call_function" or len(n.users) != 1:
+        if n.op != "call_function" or len(n.users) != 1 or n.target is WAIT or n.target in emit.COLLECTIVE_TARGETS:
             return None
         chain.append(n)
         stack.extend(n.all_input_nodes)

@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
 from ..capture import Capture, forward_nodes
 from ..sharding import ShardLayout
+from ..sharding.collective import collective_of, mark
 from ..sharding.ops import info
 from . import emit
 from .program import Program, ShardContext, average_loss, finish, input_dtypes, parts, set_outputs
@@ -58,12 +61,21 @@ def _chain_root(node: fx.Node, params: dict[fx.Node, str], memo: dict) -> fx.Nod
     root = None
     if node in params:
         root = node
-    elif node.op == "call_function" and info(node.target).chain:
+    elif node.op == "call_function" and (info(node.target).chain or _gathers_param(node)):
         ins = node.all_input_nodes
         if len(ins) == 1:
             root = _chain_root(ins[0], params, memo)
     memo[node] = root
     return root
+
+
+def _gathers_param(node: fx.Node) -> bool:
+    """Whether ``node`` is a link of a parameter's gather on another mesh axis (ep's: passes/ep.py
+    ``_shard_shared``), its start or its wait: the backward gets a copy of it, as of a view chain."""
+    c = collective_of(node)
+    if c is None and node.target is emit.WAIT:
+        c = collective_of(node.args[0])
+    return c is not None and c.kind == "all_gather" and bool(c.params)
 
 
 def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
@@ -108,6 +120,8 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
                 with g.inserting_before(before):
                     new = g.node_copy(node, lambda n: src_new if n is src else n)
                 new.meta = dict(node.meta)
+                if collective_of(new) is not None:  # a gather on another axis, now the backward's
+                    mark(new, dataclasses.replace(collective_of(new), phase="bwd"))
                 copies[node] = new
         return copies[node]
 
