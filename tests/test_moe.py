@@ -131,3 +131,33 @@ def test_dispatched_moe_runs_op_by_op_where_a_traced_view_is_not_one_in_eager():
     safe = eager_safe(gm)
     assert not any(n.target is torch.ops.aten.view.default for n in safe.graph.nodes)
     assert [n.name for n in safe.graph.nodes] == [n.name for n in gm.graph.nodes]
+
+
+def test_a_router_loss_that_counts_expert_ids_with_bincount_traces_to_fixed_size_counts():
+    """A load-balancing term that counts each expert's tokens with ``torch.bincount(ids, minlength=E)``
+    (Mixtral's in transformers 5.17) has a data-dependent length; traced, it is E counts (a
+    scatter_add), and the step's loss and gradients are eager's."""
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(8, 4, dtype=torch.float64)
+
+        def forward(self, x):
+            probs = self.router(x).softmax(-1)
+            ids = probs.topk(2, -1).indices.reshape(-1)
+            share = torch.bincount(ids, minlength=4).to(probs.dtype) / ids.numel()
+            return (share * probs.mean(0)).sum() * 4 + probs.square().mean()
+
+    torch.manual_seed(0)
+    model, x = Routed(), torch.randn(16, 8, dtype=torch.float64)
+    cap = capture_step(model, (x,))
+    targets = {n.target for n in cap.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.bincount.default not in targets and torch.ops.aten.scatter_add.default in targets
+    assert torch.bincount(torch.tensor([0, 5])).shape == (6,)  # put back as it was
+    params = [p.detach() for p in model.parameters()]
+    loss, *grads = eager_safe(cap.gm)(*params, x)
+    ref = model(x)
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    assert abs(float((loss - ref).detach())) < 1e-12
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads)) < 1e-12

@@ -185,8 +185,9 @@ def _forwards(forwards: dict | None):
 def _traced(step, args, model: nn.Module) -> fx.GraphModule:
     """``make_fx`` of the step. Where it fails on a construct that has a static-shape path of the
     same math, it is traced again with that path: Hugging Face experts looping over experts (a
-    data-dependent ``nonzero``) through their ``grouped_mm`` implementation, and grouped products in
-    a dtype their tracing rule refuses through ``_grouped_by_rows``."""
+    data-dependent ``nonzero``) through their ``grouped_mm`` implementation, grouped products in a
+    dtype their tracing rule refuses through ``_grouped_by_rows``, and counts of a fixed length
+    (``bincount`` with ``minlength``) as that length."""
     try:
         with _quiet_meta_failures():  # the error is raised (and named) by the caller, once
             return make_fx(step, tracing_mode="real")(*args)
@@ -194,10 +195,32 @@ def _traced(step, args, model: nn.Module) -> fx.GraphModule:
         raise
     except Exception as e:  # noqa: BLE001 - retried once, else raised
         looped = _hf_looped_experts(model) if _data_dependent(e) else []
-        if not looped and not _grouped_dtype_refused(e):
+        if not looped and not _grouped_dtype_refused(e) and not (_data_dependent(e) and "bincount" in str(e)):
             raise
-    with _hf_experts_as(looped, "grouped_mm"), _grouped_products_by_reference(), _quiet_meta_failures():
+    with _hf_experts_as(looped, "grouped_mm"), _grouped_products_by_reference(), _counts_of_fixed_size(), \
+            _quiet_meta_failures():
         return make_fx(step, tracing_mode="real")(*args)
+
+
+@contextlib.contextmanager
+def _counts_of_fixed_size():
+    """``torch.bincount(x, minlength=n)`` of a 1-d tensor without weights as ``n`` counts (a
+    ``scatter_add`` into ``n`` zeros), while the step is traced: its output's size is ``n`` wherever
+    every value is below ``n`` (expert ids counted per expert, as Mixtral's load-balancing loss does in
+    transformers 5.17), and a value past it is an index error, not a longer result."""
+    real = torch.bincount
+
+    def bincount(x, weights=None, minlength=0):
+        if weights is not None or minlength <= 0 or x.dim() != 1:
+            return real(x, weights, minlength)
+        return torch.zeros(minlength, dtype=torch.int64, device=x.device).scatter_add(
+            0, x.to(torch.int64), torch.ones_like(x, dtype=torch.int64))
+
+    torch.bincount = bincount
+    try:
+        yield
+    finally:
+        torch.bincount = real
 
 
 def _data_dependent(e: BaseException) -> bool:
