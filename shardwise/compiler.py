@@ -125,9 +125,6 @@ def expert_parallel_axis(mesh, config: JobConfig) -> ExpertParallelAxis | None:
         if config.ep_plan is not None or config.ep_capacity_factor is not None:
             raise ValueError("ep_plan and ep_capacity_factor apply to a mesh with an ep axis, e.g. sw.mesh(dp=2, ep=2)")
         return None
-    if mesh.size("tp") > 1:
-        raise ValueError(f"a mesh of ep={ranks} and tp={mesh.size('tp')}: expert and tensor parallelism together "
-                         "are not built yet; use one of them (with dp)")
     groups = {"offload_optimizer": config.offload, "overlap_update": config.update}
     for name in NOT_WITH_TP:
         if getattr(groups[name], name) not in (None, False):
@@ -232,9 +229,9 @@ class Compiler:
             return self.ctx
         return dataclasses.replace(self.ctx, graph_budget=share[0], reserve=share[1])
 
-    def _axis(self):
-        """The model-parallel axis the programs are partitioned over (tp or ep)."""
-        return self.tp if self.tp is not None else self.ep
+    def _unplanned(self) -> bool:
+        """Whether a model-parallel axis (tp, ep) has no placements yet: the first program is compiling."""
+        return any(a is not None and a.placements is None for a in (self.tp, self.ep))
 
     def _partition(self, cap):
         """(The tp-local step (passes/tp.py), its placements, its product policy); the first one fixes
@@ -327,32 +324,37 @@ class Compiler:
             if self.ep is not None and self.ep.capacity is not None and not traced_ep:
                 raise ValueError("ep_capacity_factor applies to Hugging Face experts; the built-in MoE takes its "
                                  "capacity from its config (capacity_factor=...)")
-            placements = gather = None
+            placements, gather = {}, None  # by axis
+            if traced_ep and self.tp is not None:
+                raise ValueError("Hugging Face experts on a mesh with both ep and tp are not built yet (their split "
+                                 "is traced, before the tp partition): use ep or tp with them, or the built-in MoE")
             if traced_ep:  # experts split as traced (Hugging Face's)
-                cap, placements = self._traced_ep(batch, train, tensors)
+                cap, placements["ep"] = self._traced_ep(batch, train, tensors)
             else:
                 cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
                                    param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device)
             if self.tp is not None:
-                cap, placements, gather = self._partition(cap)
+                cap, placements["tp"], gather = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
-            if self.ep is not None and not traced_ep:  # experts split by the graph's rewrite
-                cap, placements = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
-                                                    self.ep.plan, shard_shared=self.strategy != "ddp")
-            if self.ep is not None and self.ep.placements not in (None, placements):
-                raise ValueError(f"the parameters split over ep in this batch's graph ({sorted(placements)}) are not "
-                                 f"those of the first step's ({sorted(self.ep.placements)})")
+            if self.ep is not None and not traced_ep:  # experts split by the graph's rewrite (of the tp-local step)
+                # the other parameters cut over ep too (ZeRO over dp x ep) where no tp axis cuts them
+                cap, placements["ep"] = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
+                                                          self.ep.plan, shard_shared=self.strategy != "ddp"
+                                                          and self.tp is None)
+            if self.ep is not None and self.ep.placements not in (None, placements["ep"]):
+                raise ValueError(f"the parameters split over ep in this batch's graph ({sorted(placements['ep'])}) "
+                                 f"are not those of the first step's ({sorted(self.ep.placements)})")
             # the first tp (ep) program under a budget is planned again once the state holds its shards
             # (below): the one every rank agrees on first needs no budget's search
-            first_tp = placements is not None and self._axis().placements is None
+            first_tp = bool(placements) and self._unplanned()
             ctx = self.ctx if first_tp and self.plan.budget is not None else self._context(tensors, train)
             prog = shard_step(cap, self.strategy, ctx, "step" if mode == "eval" else mode)
             return cap, placements, gather, prog
 
         cap, placements, gather, prog = self._told(first)
         self._agree(prog)
-        if placements is not None and self._axis().placements is None:
+        if placements and self._unplanned():
             # the first program compiled on every rank: the state takes its tp shards only now, so
             # a refused job leaves the model whole
             self.on_tp_plan(placements, gather)

@@ -188,13 +188,17 @@ class Job(Checkpointing, Held):
         the state is made again from the model's whole weights, this rank's shard of each split one,
         into the same optimizer (its groups, hyperparameters and schedulers kept; its state, where a
         checkpoint loaded before the first step gave it one, cut to the shards)."""
-        from .runtime.state import TensorParallel
+        from .runtime.state import ParallelAxes, TensorParallel
 
-        axis, named, old = self.tp or self.ep, list(self.model.named_parameters()), self.state
-        axis.placements = placements
+        named, old = list(self.model.named_parameters()), self.state
+        axes = []
+        for label, axis in (("tp", self.tp), ("ep", self.ep)):
+            if axis is not None:
+                axis.placements = placements[label]
+                axes.append(TensorParallel(placements[label], axis.ranks, axis.rank, axis.group, label))
         if self.tp is not None:
             self.tp.gather = gather
-        state = TensorParallel(placements, axis.ranks, axis.rank, axis.group)
+        state = axes[0] if len(axes) == 1 else ParallelAxes(axes)
         shapes = [state.local(n, p).shape for n, p in named]
         self.layouts = layouts_for([n for n, _ in named], shapes, 1 if self.strategy == "ddp" else self.mesh.dp)
         name_of = {id(t): n for n, t in old.opt_tensors.items()}

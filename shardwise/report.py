@@ -106,8 +106,8 @@ def explain(job) -> str:
                          f"{job.cost.comm_time(n) * 1e6:9.1f}  {c.label[:60]}")
         lines.extend(_moe_lines(job, prog))
     tp = job.state.tp
-    axis = "ep" if job.ep is not None else "tp"
-    lines.append("placements (dp axis" + (f", {axis} axis: local shape and placement" if tp else "")
+    axes = [a.label for a in tp.axes] if tp is not None else []
+    lines.append("placements (dp axis" + (f", {' and '.join(axes)} axis: local shape and placement" if tp else "")
                  + ") and memory decisions:")
     kept = set(job.ctx.keep_gathered)
     for prog in job.programs():
@@ -122,8 +122,8 @@ def explain(job) -> str:
             what.append("master+optimizer state on the device" if n in st.resident
                         else "master+optimizer state on host, updated on the host" if n in st.host
                         else "master+optimizer state on host, streamed")
-        if tp is not None:
-            place += f"  {axis} {tp.placements.get(n, 'R')}"
+        for a in tp.axes if tp is not None else ():
+            place += f"  {a.label} {a.placements.get(n, 'R')}"
         lines.append(f"  {n:40s} {str(tuple(lay.shape)):20s} {place:8s} {'; '.join(what)}".rstrip())
     g = job.tp.gather_choice if job.tp is not None else None
     if g:

@@ -1040,16 +1040,38 @@ def random_reference(spec, ws: int, steps: int = 2):
 
 def ep_refused(case: str):
     """A job the ep axis refuses: "dense" (the MoE's dense path: no batched expert products), "uneven"
-    (3 experts over ep=2), "tp" (ep and tp together), "plan-none" / "plan-typo" (an ep_plan glob that
+    (3 experts over ep=2), "hf-tp" (Hugging Face experts on ep x tp), "plan-none" / "plan-typo" (an ep_plan glob that
     names parameters no expert product reads, or none at all), "capacity" (ep_capacity_factor for the
     built-in MoE, which has its own)."""
     over = {"dense": {"capacity_factor": None}, "uneven": {"capacity_factor": 2.0, "n_expert": 3}}.get(
         case, {"capacity_factor": 2.0})
     plan = {"plan-none": ["blocks.*.attn.*"], "plan-typo": ["blocks.*.moe.*"]}.get(case)
-    mesh = sw.mesh(ep=2, tp=2) if case == "tp" else sw.mesh(ep=2)
-    job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=mesh,
+    if case == "hf-tp":
+        job = sw.compile(make_hf("mixtral-grouped_mm", "fp32"), optimizer=adamw, strategy="zero3",
+                         mesh=sw.mesh(ep=2, tp=2))
+        job.step(hf_batch(0, job.mesh.batch_rank()))
+    job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=sw.mesh(ep=2),
                      ep_plan=plan, ep_capacity_factor=1.25 if case == "capacity" else None)
     job.step(make_batch("moe", 0, dist.get_rank()))
+
+
+def ep_tp_run(strategy: str, steps: int, save: str | None = None, device: str = "cpu", **compile_kw):
+    """The tiny fp64 MoE (capacity 2) on a mesh of ep=2 x tp=2, each tp pair taking the batch of its
+    ep rank: (losses, full_state_dict, rank 0's step collectives by (axis, kind, phase), explain).
+    ``save``: a checkpoint written there at the end."""
+    from collections import Counter
+
+    from shardwise.sharding.collective import collective_of
+
+    job = sw.compile(make_model("moe", "fp64", capacity_factor=2.0).to(device), optimizer=adamw, strategy=strategy,
+                     mesh=sw.mesh(ep=2, tp=2, device=device), **compile_kw)
+    r = job.mesh.batch_rank()
+    losses = [float(job.step(tuple(t.to(device) for t in make_batch("moe", s, r)))) for s in range(steps)]
+    if save is not None:
+        job.save(save)
+    prog = job.programs()[0]
+    counts = Counter((c.axis, c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()))
+    return losses, job.full_state_dict(), counts, job.explain()
 
 
 def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str | None = None, device: str = "cpu",
@@ -1091,14 +1113,14 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
     return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, info
 
 
-def ep_resumed(path: str, ep: int, step: int, strategy: str = "zero2"):
-    """A job of other weights on dp x ``ep`` loads the checkpoint at ``path`` (before its first step)
-    and takes step ``step``: (its loss, full_state_dict)."""
-    mesh = sw.mesh(ep=ep) if ep > 1 else sw.mesh()
+def ep_resumed(path: str, ep: int, step: int, strategy: str = "zero2", tp: int = 1):
+    """A job of other weights on dp x ``ep`` x ``tp`` loads the checkpoint at ``path`` (before its
+    first step) and takes step ``step``: (its loss, full_state_dict)."""
+    mesh = sw.mesh(ep=ep if ep > 1 else None, tp=tp if tp > 1 else None)
     job = sw.compile(make_model("moe", "fp64", seed=1, capacity_factor=2.0), optimizer=adamw, strategy=strategy,
                      mesh=mesh)
     job.load(path)
-    return float(job.step(make_batch("moe", step, dist.get_rank()))), job.full_state_dict()
+    return float(job.step(make_batch("moe", step, job.mesh.batch_rank()))), job.full_state_dict()
 
 
 def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "cpu", **compile_kw):

@@ -367,6 +367,17 @@ def test_cuda_expert_parallel_gloo_ranks_sharing_the_gpu(pools, strategy):
 
 
 @needs_cuda
+def test_cuda_expert_and_tensor_parallel_gloo_ranks_sharing_the_gpu(pools):
+    """ep=2 x tp=2 on CUDA tensors, four gloo ranks on the one GPU, zero3: against single-device
+    training of the two batches."""
+    ref_losses, ref_sd = harness.reference("moe", "fp64", 2, 3, (("capacity_factor", 2.0),))
+    losses, sd, counts, _ = pools(4, "gloo").run(harness.ep_tp_run, "zero3", 3, device="cuda")[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-10
+    assert counts[("ep", "all_to_all", "fwd")] == 4 and counts[("tp", "all_reduce", "fwd")] > 0, counts
+
+
+@needs_cuda
 def test_cuda_hf_experts_split_over_ep_gloo_ranks_sharing_the_gpu(pools):
     """HF Mixtral's experts (bf16's kernel path aside: fp32 through the reference) on ep=2, two gloo
     ranks on the one GPU: the traced gathers and reduce-scatter staged through the host."""

@@ -109,10 +109,38 @@ def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_pat
         assert abs(loss - full[3]) <= 1e-12 * abs(full[3]) and harness.rel_param_err(sd, sd_full) <= 1e-12, (ep, strategy)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_expert_and_tensor_parallelism_together(pools, strategy):
+    """ep=2 x tp=2 (4 ranks): the attention cut over tp (Megatron's plan), the experts over ep, each tp
+    pair taking one batch; fp64 parity with one device averaging the two batches. The graph has the
+    MoE layers' all-to-alls on ep and the attention's all-reduces on tp."""
+    steps = 3
+    ref, ref_sd = harness.reference("moe", "fp64", 2, steps, (("capacity_factor", 2.0),))
+    losses, sd, counts, explain = pools(4).run(harness.ep_tp_run, strategy, steps)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-10, (losses, ref)
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-10
+    assert counts[("ep", "all_to_all", "fwd")] == 4 and counts[("ep", "all_to_all", "bwd")] == 4, counts
+    assert counts[("tp", "all_reduce", "fwd")] > 0, counts
+    rows = {ln.split()[0]: ln.split() for ln in explain.splitlines() if ln.startswith("  blocks.0.")}
+    assert "(2, 32, 32) " in explain and "tp R ep S(0)" in " ".join(rows["blocks.0.ffn.w1"]), rows
+    assert "tp S(0) ep R" in " ".join(rows["blocks.0.attn.wq.weight"]), rows
+
+
+def test_an_ep_x_tp_checkpoint_resumes_on_ep_x_tp_and_on_ep(pools, tmp_path):
+    """Saved by ep=2 x tp=2 under zero3 (the experts' ep pieces, the attention's tp pieces), resumed on
+    the same mesh and, by the two batches' ranks alone, on ep=2: the next step as the uninterrupted run's."""
+    path = str(tmp_path / "ck")
+    pools(4).run(harness.ep_tp_run, "zero3", 3, save=path)
+    full, sd_full, _, _ = pools(4).run(harness.ep_tp_run, "zero3", 4)[0]
+    loss, sd = pools(4).run(harness.ep_resumed, path, 2, 3, "zero3", 2)[0]
+    assert abs(loss - full[3]) <= 1e-12 * abs(full[3]) and harness.rel_param_err(sd, sd_full) <= 1e-12
+    loss, sd = pools(2).run(harness.ep_resumed, path, 2, 3, "zero2")[0]
+    assert abs(loss - full[3]) <= 1e-10 * abs(full[3]) and harness.rel_param_err(sd, sd_full) <= 1e-10
+
+
 @pytest.mark.parametrize("case,ranks,says", [
     ("dense", 2, "mesh ep=2: shardwise finds no experts in the model"),
     ("uneven", 2, "ep=2 does not divide the 3 experts of blocks.0.ffn.w1: use an ep that divides"),
-    ("tp", 4, "a mesh of ep=2 and tp=2: expert and tensor parallelism together are not built yet"),
     ("plan-none", 2, "ep_plan: 'blocks.*.attn.*' names no expert parameter: it names ['blocks.0.attn.wq.weight'"),
     ("plan-typo", 2, "ep_plan: 'blocks.*.moe.*' names no expert parameter: it names no parameter of the model"),
     ("capacity", 2, "ep_capacity_factor applies to Hugging Face experts; the built-in MoE takes its capacity"),

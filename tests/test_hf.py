@@ -155,3 +155,13 @@ def test_the_cost_model_keeps_hf_experts_dropless_where_it_fits_and_takes_capaci
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
     errs = [((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm()).item() for k in ref_sd if not k.endswith("k_proj.bias")]
     assert max(errs) <= 1e-5, max(errs)
+
+
+def test_hf_experts_on_a_mesh_of_ep_and_tp_are_refused_by_name(pools):
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
+    results = pools(4).run_all(harness.ep_refused, "hf-tp")
+    assert all(not ok and "Hugging Face experts on a mesh with both ep and tp are not built yet" in val[1]
+               for ok, val in results), results

@@ -138,7 +138,7 @@ def _whole(job, name: str) -> tuple[int, ...]:
     shape, tp = list(job.layouts[name].shape2), job.state.tp
     d = tp.dim(name) if tp is not None else None
     if d is not None:
-        shape[d] *= tp.ranks
+        shape[d] *= tp.ranks_of(name)
     return tuple(shape)
 
 

@@ -18,6 +18,7 @@ state made before the tp plan is known); ``reuse`` moves that state's optimizer 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable
 
 import torch
@@ -174,13 +175,13 @@ class ShardedState:
             total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
             sent = 0
         else:
-            # a tensor-parallel shard's squares add over the tp ranks; a parameter whole on every tp rank
-            # counts once (a 1/tp share from each)
-            sq = torch.stack([torch.linalg.vector_norm(g) ** 2 / (tp.ranks if tp and not tp.sharded(n) else 1)
+            # a model-parallel shard's squares add over its axis' ranks; a gradient whole (and the same)
+            # on every rank of an axis counts once (a 1/ranks share from each)
+            axes = tp.axes if tp is not None else []
+            sq = torch.stack([torch.linalg.vector_norm(g) ** 2 / math.prod(a.ranks for a in axes if not a.sharded(n))
                               for n, g in grads.items()]).sum().reshape(1)
             sent = 0
-            for grp, n in ((group, ranks if self.strategy != "ddp" else 1), (tp.group if tp else None,
-                                                                            tp.ranks if tp else 1)):
+            for grp, n in ((group, ranks if self.strategy != "ddp" else 1), *((a.group, a.ranks) for a in axes)):
                 if n > 1:
                     sq = _all_reduce(sq, grp)
                     sent += sent_bytes("all_reduce", sq.element_size(), n)
@@ -301,11 +302,19 @@ class ShardedState:
 
 
 class TensorParallel:
-    """A job's tensor-parallel axis as the state sees it: each parameter's placement on it, its ranks,
-    this rank's coordinate and the axis's process group."""
+    """A job's model-parallel axis (tp, or ep) as the state sees it: each parameter's placement on it,
+    its ranks, this rank's coordinate, the axis's process group and its name (``label``)."""
 
-    def __init__(self, placements: dict, ranks: int, rank: int, group: dist.ProcessGroup):
-        self.placements, self.ranks, self.rank, self.group = placements, ranks, rank, group
+    def __init__(self, placements: dict, ranks: int, rank: int, group: dist.ProcessGroup, label: str = "tp"):
+        self.placements, self.ranks, self.rank, self.group, self.label = placements, ranks, rank, group, label
+
+    @property
+    def axes(self) -> list[TensorParallel]:
+        return [self]
+
+    def ranks_of(self, name: str) -> int:
+        """Ranks of the axis that cuts ``name`` (this one's)."""
+        return self.ranks
 
     def dim(self, name: str) -> int | None:
         p = self.placements.get(name)
@@ -337,6 +346,43 @@ class TensorParallel:
 
     def sharded(self, name: str) -> bool:
         return self.dim(name) is not None
+
+
+class ParallelAxes:
+    """Several model-parallel axes (tp and ep) as one ``TensorParallel`` for the state: a parameter is
+    cut on one of them at most (an expert over ep, an attention weight over tp), and each question
+    about it goes to that axis."""
+
+    def __init__(self, axes: list[TensorParallel]):
+        self.axes = axes
+        for name in {n for a in axes for n in a.placements}:
+            cut = [a.label for a in axes if a.sharded(name)]
+            if len(cut) > 1:
+                raise ValueError(f"{name} is cut on the {' and '.join(cut)} axes at once: not built")
+
+    def _of(self, name: str) -> TensorParallel:
+        return next((a for a in self.axes if a.sharded(name)), self.axes[0])
+
+    def dim(self, name: str) -> int | None:
+        return self._of(name).dim(name)
+
+    def ranks_of(self, name: str) -> int:
+        return self._of(name).ranks
+
+    def local(self, name, p):
+        return self._of(name).local(name, p)
+
+    def piece(self, name, whole):
+        return self._of(name).piece(name, whole)
+
+    def indices(self, name, size):
+        return self._of(name).indices(name, size)
+
+    def gather(self, name, local):
+        return self._of(name).gather(name, local)
+
+    def sharded(self, name: str) -> bool:
+        return any(a.sharded(name) for a in self.axes)
 
 
 def transplant(opt: torch.optim.Optimizer, old: dict[str, torch.Tensor], named: list) -> torch.optim.Optimizer:
