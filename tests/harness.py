@@ -335,14 +335,14 @@ def loop_opt(named):
 
 
 @functools.lru_cache(maxsize=None)
-def loop_reference(name: str, dtype: str, ws: int, steps: int):
+def loop_reference(name: str, dtype: str, ws: int, steps: int, over: tuple = ()):
     """Single device: ws*micro micro-batches averaged, clip_grad_norm_, cosine warm-up, two groups."""
     from shardwise.recipes import cosine_with_warmup
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = make_model(name, dtype)
+        model = make_model(name, dtype, **dict(over))
         opt = loop_opt(model.named_parameters())
         sched = cosine_with_warmup(opt, LOOP["warmup"], steps)
         losses, norms = [], []
@@ -367,13 +367,15 @@ def loop_reference(name: str, dtype: str, ws: int, steps: int):
         torch.set_num_threads(threads)
 
 
-def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = None, **compile_kw):
-    """The loop of ``loop_reference`` on a mesh of dp x ``tp`` ranks (a tp group takes its dp rank's batches)."""
+def loop_run(name: str, strategy: str, dtype: str, steps: int, tp: int | None = None, over: tuple = (),
+             ep: int | None = None, **compile_kw):
+    """The loop of ``loop_reference`` on a mesh of dp x ``ep`` x ``tp`` ranks (a tp group takes the
+    batches of its dp and ep coordinates)."""
     from shardwise.recipes import cosine_with_warmup
 
-    model = make_model(name, dtype)
-    mesh = sw.mesh(tp=tp)
-    rank = mesh.rank("dp")
+    model = make_model(name, dtype, **dict(over))
+    mesh = sw.mesh(tp=tp, ep=ep)
+    rank = mesh.batch_rank()
     job = sw.compile(model, optimizer=loop_opt, strategy=strategy, mesh=mesh, clip_grad_norm=LOOP["clip"],
                      **split_head(compile_kw, tp))
     sched = cosine_with_warmup(job.optimizer, LOOP["warmup"], steps)

@@ -126,6 +126,20 @@ def test_expert_and_tensor_parallelism_together(pools, strategy):
     assert "tp S(0) ep R" in " ".join(rows["blocks.0.attn.wq.weight"]), rows
 
 
+@pytest.mark.parametrize("ws,tp", [(2, None), (4, 2)])
+def test_expert_parallel_training_loop_parity(pools, ws, tp):
+    """Accumulation, the global grad-norm clip (each axis' shards' squares added once, what is whole on
+    an axis once), the schedule and eval, zero3 on ep=2 and on ep=2 x tp=2."""
+    over = (("capacity_factor", 2.0),)
+    ref_losses, ref_norms, ref_eval, ref_sd = harness.loop_reference("moe", "fp64", 2, 3, over)
+    losses, norms, ev, sd = pools(ws).run(harness.loop_run, "moe", "zero3", "fp64", 3, tp, over, 2)[0]
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-10
+    assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-10
+    assert sum(n > harness.LOOP["clip"] for n in ref_norms) >= 2  # the threshold really clips
+    assert abs(ev - ref_eval) / ref_eval <= 1e-10
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-10
+
+
 def test_an_ep_x_tp_checkpoint_resumes_on_ep_x_tp_and_on_ep(pools, tmp_path):
     """Saved by ep=2 x tp=2 under zero3 (the experts' ep pieces, the attention's tp pieces), resumed on
     the same mesh and, by the two batches' ranks alone, on ep=2: the next step as the uninterrupted run's."""
