@@ -191,6 +191,9 @@ def mesh_args(p) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks: the experts of every MoE layer split over them, tokens sent to their "
                         "experts by all-to-all (the ep ranks take batches of their own, as dp ranks do)")
+    p.add_argument("--ep-split", type=int, default=1, metavar="N",
+                   help="with --ep: trace each micro-batch as N parts whose work is interleaved, one part's "
+                        "all-to-alls running under another's compute (each part dispatched alone)")
     p.add_argument("--sp", action="store_true",
                    help="with --tp: sequence parallelism (the residual stream and norms in sequence shards)")
     p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
@@ -216,7 +219,10 @@ def mesh_of(args):
 def tp_kw(args) -> dict:
     if args.vocab_parallel != "auto" and args.tp <= 1:
         raise SystemExit("--vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N (N > 1)")
-    return {**({"sequence_parallel": True} if args.sp else {}),
+    split = getattr(args, "ep_split", 1)
+    if split != 1 and args.ep <= 1:
+        raise SystemExit("--ep-split splits the batch for expert parallelism: give --ep N (N > 1) with it")
+    return {**({"sequence_parallel": True} if args.sp else {}), **({"ep_split": split} if split != 1 else {}),
             **({"vocab_parallel": args.vocab_parallel == "on"} if args.vocab_parallel != "auto" else {})}
 
 

@@ -114,6 +114,8 @@ class ExpertParallelAxis:
         self.factor: float | None = None if capacity in (None, "dropless") else capacity
         """Hugging Face experts' capacity factor (None: dropless), chosen with the first program where
         the user left it open (``capacity`` None: passes/ep.py ``dispatch_choice``)."""
+        self.split = 1
+        """Parts each micro-batch is traced as (``JobConfig.ep_split``)."""
         self.dispatch_choice: dict | None = None
         """That choice: both dispatches' predicted step and graph peak, the room the graph had, which won."""
 
@@ -122,15 +124,18 @@ def expert_parallel_axis(mesh, config: JobConfig) -> ExpertParallelAxis | None:
     """The job's ep axis, or None where the mesh has none; what does not compose with it yet refused."""
     ranks = mesh.size("ep")
     if ranks == 1:
-        if config.ep_plan is not None or config.ep_capacity_factor is not None:
-            raise ValueError("ep_plan and ep_capacity_factor apply to a mesh with an ep axis, e.g. sw.mesh(dp=2, ep=2)")
+        if config.ep_plan is not None or config.ep_capacity_factor is not None or config.ep_split != 1:
+            raise ValueError("ep_plan, ep_capacity_factor and ep_split apply to a mesh with an ep axis, e.g. "
+                             "sw.mesh(dp=2, ep=2)")
         return None
     groups = {"offload_optimizer": config.offload, "overlap_update": config.update}
     for name in NOT_WITH_TP:
         if getattr(groups[name], name) not in (None, False):
             raise ValueError(f"{name} does not compose with expert parallelism yet (mesh ep={ranks}): leave it "
                              "off, or use a mesh of dp alone")
-    return ExpertParallelAxis(ranks, mesh.rank("ep"), mesh.group("ep"), config.ep_plan, config.ep_capacity_factor)
+    axis = ExpertParallelAxis(ranks, mesh.rank("ep"), mesh.group("ep"), config.ep_plan, config.ep_capacity_factor)
+    axis.split = config.ep_split
+    return axis
 
 
 NOT_WITH_TP = ("offload_optimizer", "overlap_update")
@@ -275,9 +280,9 @@ class Compiler:
             forwards, shapes, counts = ep_pass.hf_forwards(self.model, ep.ranks, ep.rank, ep.group, ep.plan, factor)
             cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
                                param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device,
-                               forwards=forwards, shapes=shapes)
+                               forwards=forwards, shapes=shapes, split=ep.split)
             return ep_pass.finish_traced(cap, counts, ep.ranks, ep.group.group_name, self.ctx.stage, factor,
-                                         shard_shared=self.strategy != "ddp")
+                                         shard_shared=self.strategy != "ddp", split=ep.split)
 
         if ep.capacity is not None or ep.dispatch_choice is not None:
             return trace(ep.factor)
@@ -332,7 +337,8 @@ class Compiler:
                 cap, placements["ep"] = self._traced_ep(batch, train, tensors)
             else:
                 cap = capture_step(self.model, batch, loss_fn=self.loss_fn, model_inputs=self.model_inputs,
-                                   param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device)
+                                   param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device,
+                                   split=self.ep.split if self.ep is not None else 1)
             if self.tp is not None:
                 cap, placements["tp"], gather = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
@@ -341,7 +347,7 @@ class Compiler:
                 # the other parameters cut over ep too (ZeRO over dp x ep) where no tp axis cuts them
                 cap, placements["ep"] = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
                                                           self.ep.plan, shard_shared=self.strategy != "ddp"
-                                                          and self.tp is None)
+                                                          and self.tp is None, split=self.ep.split)
             if self.ep is not None and self.ep.placements not in (None, placements["ep"]):
                 raise ValueError(f"the parameters split over ep in this batch's graph ({sorted(placements['ep'])}) "
                                  f"are not those of the first step's ({sorted(self.ep.placements)})")

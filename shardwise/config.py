@@ -204,6 +204,10 @@ class JobConfig:
     dropless where its predicted graph peak fits the memory (the budget's graph share, or the GPU's),
     else capacity at ``DEFAULT_CAPACITY`` (passes/ep.py ``dispatch_choice``; explain says which and
     why). The built-in MoE sets its own (``capacity_factor``)."""
+    ep_split: int = 1
+    """Where the mesh has an ep axis: trace each micro-batch as this many equal parts (its rows), their
+    work interleaved so that one part's ep collectives run under the other's compute (passes/ep.py
+    ``interleave``); each part is dispatched alone (its own capacity), the loss their mean."""
     timeout: float | None = 100.0
     """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load
     or export is watched for a rank that raises, not for time). A rank that waits
@@ -248,6 +252,9 @@ class JobConfig:
                                          or not self.ep_plan):
             raise ValueError(f"ep_plan must be a non-empty list of parameter-name globs (e.g. ['*.experts.*']), "
                              f"got {self.ep_plan!r}")
+        if not isinstance(self.ep_split, int) or isinstance(self.ep_split, bool) or self.ep_split < 1:
+            raise ValueError(f"ep_split must be a number of batch parts >= 1 (2 overlaps one half's all-to-alls "
+                             f"with the other's compute), got {self.ep_split!r}")
         c = self.ep_capacity_factor
         if c is not None and c != "dropless" and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):
             raise ValueError(f"ep_capacity_factor must be a positive number (1.25 is common), 'dropless', or None "

@@ -1044,7 +1044,7 @@ def ep_refused(case: str):
     """A job the ep axis refuses: "dense" (the MoE's dense path: no batched expert products), "uneven"
     (3 experts over ep=2), "hf-tp" (Hugging Face experts on ep x tp), "plan-none" / "plan-typo" (an ep_plan glob that
     names parameters no expert product reads, or none at all), "capacity" (ep_capacity_factor for the
-    built-in MoE, which has its own)."""
+    built-in MoE, which has its own), "split" (a batch of 2 rows in 3 parts)."""
     over = {"dense": {"capacity_factor": None}, "uneven": {"capacity_factor": 2.0, "n_expert": 3}}.get(
         case, {"capacity_factor": 2.0})
     plan = {"plan-none": ["blocks.*.attn.*"], "plan-typo": ["blocks.*.moe.*"]}.get(case)
@@ -1053,7 +1053,8 @@ def ep_refused(case: str):
                          mesh=sw.mesh(ep=2, tp=2))
         job.step(hf_batch(0, job.mesh.batch_rank()))
     job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=sw.mesh(ep=2),
-                     ep_plan=plan, ep_capacity_factor=1.25 if case == "capacity" else None)
+                     ep_plan=plan, ep_capacity_factor=1.25 if case == "capacity" else None,
+                     ep_split=3 if case == "split" else 1)
     job.step(make_batch("moe", 0, dist.get_rank()))
 
 
@@ -1105,7 +1106,12 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
             for n in names)
 
     cs = list(map(collective_of, prog.collective_nodes()))
-    info = {"phases": Counter((c.axis, c.kind, c.phase) for c in cs),
+    nodes = list(prog.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    products = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+    under = [sum(n.target in products for n in nodes[pos[s] + 1 : pos[next(iter(s.users))]])
+             for s in prog.collective_nodes() if collective_of(s).kind == "all_to_all" and collective_of(s).phase == "fwd"]
+    info = {"phases": Counter((c.axis, c.kind, c.phase) for c in cs), "products_under_all_to_all": under,
             "ep_params": Counter((c.kind, c.phase, c.param) for c in cs if c.axis == "ep" and c.params),
             "moe_params": sorted(p for layer in prog.capture.moe_layers for p in layer["params"]),
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),

@@ -140,6 +140,18 @@ def test_expert_parallel_training_loop_parity(pools, ws, tp):
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_a_split_batch_overlaps_one_halfs_all_to_alls_with_the_others_compute(pools, strategy):
+    """ep_split=2: each rank's batch traced as two halves whose work is interleaved. The graph change:
+    without it no matrix product runs while a forward all-to-all is in flight (each layer's next
+    product needs it); with it the other half's products do, under most of them. Same numbers as
+    one device (no drops: each half's capacity holds all its pairs)."""
+    plain = _parity(pools, strategy, 2, 2)["products_under_all_to_all"]
+    split = _parity(pools, strategy, 2, 2, ep_split=2)["products_under_all_to_all"]
+    assert len(plain) == 4 and not any(plain), plain
+    assert len(split) == 8 and sum(n > 0 for n in split) >= 6, split
+
+
 def test_an_ep_x_tp_checkpoint_resumes_on_ep_x_tp_and_on_ep(pools, tmp_path):
     """Saved by ep=2 x tp=2 under zero3 (the experts' ep pieces, the attention's tp pieces), resumed on
     the same mesh and, by the two batches' ranks alone, on ep=2: the next step as the uninterrupted run's."""
@@ -158,6 +170,7 @@ def test_an_ep_x_tp_checkpoint_resumes_on_ep_x_tp_and_on_ep(pools, tmp_path):
     ("plan-none", 2, "ep_plan: 'blocks.*.attn.*' names no expert parameter: it names ['blocks.0.attn.wq.weight'"),
     ("plan-typo", 2, "ep_plan: 'blocks.*.moe.*' names no expert parameter: it names no parameter of the model"),
     ("capacity", 2, "ep_capacity_factor applies to Hugging Face experts; the built-in MoE takes its capacity"),
+    ("split", 2, "a batch split in 3 needs a batch dim (dim 0 of its tensors) that 3 divides, got 2"),
 ])
 def test_bad_ep_jobs_are_refused_by_name(pools, case, ranks, says):
     results = pools(ranks).run_all(harness.ep_refused, case)

@@ -92,6 +92,23 @@ def test_hf_moe_models_with_expert_parallelism(pools, kind, steps):
     assert len(rows) == layers and rows[0][1:5] == ["dropless", "4", "2", "-"], explain
 
 
+def test_hf_experts_under_ep_on_a_split_batch(pools):
+    """ep_split=2 with Mixtral (dropless): each rank's batch traced as two halves, interleaved; the
+    loss the halves' mean, as eager fp32 training of the whole batches (both halves count the same
+    tokens). Each half gathers its own pairs: twice the dispatch collectives."""
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
+    kind, steps = "mixtral-grouped_mm", 4
+    ref_losses, ref_sd = harness.hf_reference(kind, 2, steps, "fp32")
+    losses, sd, comm, _, _ = pools(2).run(harness.hf_ep_run, kind, "zero3", steps, ep_split=2)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    errs = [((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm()).item() for k in ref_sd if not k.endswith("k_proj.bias")]
+    assert max(errs) <= 1e-5, max(errs)
+    assert comm[("all_gather", "fwd")] == 2 * 3 * 2 and comm[("reduce_scatter", "fwd")] == 2 * 2, comm
+
+
 def test_an_ep_collective_starts_as_soon_as_its_input_is_made_so_the_shared_expert_overlaps_it(pools):
     """The graph change: Qwen2-MoE computes its shared expert before its routed ones; the gather of
     the tokens for the routed experts is started before the shared expert's products, and first

@@ -340,6 +340,7 @@ def capture_step(
     device: torch.device | None = None,
     forwards: dict | None = None,
     shapes: dict | None = None,
+    split: int = 1,
 ) -> Capture:
     """Trace ``loss = model(batch); grads = d loss / d params`` on fake tensors into one graph.
 
@@ -347,7 +348,9 @@ def capture_step(
     as if on ``device``. ``forwards`` ({module: function}) traces those modules through the
     functions instead of their own forwards, and ``shapes`` ({parameter name: shape}) traces those
     parameters with those shapes: a partition that must be made while tracing (passes/ep.py, for
-    experts whose dispatch the graph cannot show statically) says so.
+    experts whose dispatch the graph cannot show statically) says so. ``split`` > 1 runs the model
+    on that many equal parts of the batch (its tensors cut along dim 0), the loss their mean: parts
+    that share no values until the loss, which a scheduler can interleave (passes/ep.py).
 
     Example::
 
@@ -365,6 +368,16 @@ def capture_step(
     trainable = [params[n].requires_grad for n in pnames]
     tensors, consts, spec = flatten_batch(batch)
     n_p, n_b = len(pnames), len(bnames)
+    rows = next((t.shape[0] for t in tensors if t.dim()), None)
+    if split > 1 and (rows is None or rows % split):
+        raise CaptureError(f"a batch split in {split} needs a batch dim (dim 0 of its tensors) that {split} divides, "
+                           f"got {rows}: use a batch of a multiple of {split} rows, or no split")
+
+    def parts(b):
+        if split == 1:
+            return [b]
+        return [pytree.tree_map(lambda t, i=i: t.tensor_split(split)[i] if isinstance(t, torch.Tensor) and t.dim()
+                                and t.shape[0] == rows else t, b) for i in range(split)]
 
     def step(*flat):
         p_in, b_in, t_in = flat[:n_p], flat[n_p : n_p + n_b], list(flat[n_p + n_b :])
@@ -374,8 +387,9 @@ def capture_step(
         state = dict(zip(pnames, p_in))
         state.update(zip(bnames, b_in))
         with _reparametrize_module(model, state, tie_weights=True), tracing(), _forwards(forwards):
-            out = call_model(model, select_inputs(b, model_inputs))
-            loss = extract_loss(out, b, loss_fn)
+            losses = [extract_loss(call_model(model, select_inputs(part, model_inputs)), part, loss_fn)
+                      for part in parts(b)]
+            loss = losses[0] if split == 1 else sum(losses) / split
             if not with_grads:
                 return [loss]
             wrt = [p for p, t in zip(p_in, trainable) if t]

@@ -194,11 +194,12 @@ def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | Non
 
 
 def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
-              plan=None, shard_shared: bool = False) -> tuple[Capture, dict[str, Shard]]:
+              plan=None, shard_shared: bool = False, split: int = 1) -> tuple[Capture, dict[str, Shard]]:
     """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring);
     with ``shard_shared`` (a ZeRO strategy on dp), the other parameters sharded over ep too
-    (``_shard_shared``). Returns (its Capture, each split parameter's placement on the ep axis:
-    ``Shard(0)``)."""
+    (``_shard_shared``); where the step was traced on ``split`` parts of the batch, their work
+    interleaved (``interleave``). Returns (its Capture, each split parameter's placement on the ep
+    axis: ``Shard(0)``)."""
     from ..capture import forward_nodes
 
     counts = experts_of(cap, ranks, plan)
@@ -243,6 +244,8 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
             u.replace_input_with(n, back)
     shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
     _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
+    if split > 1:
+        interleave(g, g.find_nodes(op="output")[0].args[0][0])
     issue_early(g)
     # the inputs' local values (this rank's experts; the shared ones' placeholders are already), and
     # every value traced again on them
@@ -328,6 +331,31 @@ def issue_early(g: fx.Graph) -> int:
         if c is not None and c.axis == "ep" and not c.params:  # a parameter's gather waits for its reader
             moved += hoist(n)
     return moved
+
+
+def interleave(g: fx.Graph, loss: fx.Node) -> None:
+    """The nodes of a step whose batch was split in parts (``capture_step(split=)``) put in an order
+    where each part's work between two ep collectives runs while the other part's collective is in
+    flight: sorted by how many ep collectives lie on their longest path from the inputs, then by
+    their traced order, the forward (the loss and what is traced before it) ahead of the backward. A valid order: a node's key is never below its inputs'. With ``issue_early`` each
+    collective starts as soon as its input is made and is waited where it is first read, so the
+    other part's attention (the shared expert, the router) fills the wait (DeepSpeed-MoE's and
+    MegaScale's split batch)."""
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    fwd = set(nodes[: pos[loss] + 1])  # what the loss needs is traced before it
+
+    def crosses(a: fx.Node) -> bool:  # the wait of a collective moving tokens over ep
+        c = collective_of(a.args[0]) if a.target is emit.WAIT else None
+        return c is not None and c.axis == "ep" and not c.params
+
+    depth: dict[fx.Node, int] = {}
+    for n in nodes:
+        depth[n] = max((depth[a] + crosses(a) for a in n.all_input_nodes), default=0)
+    out = g.find_nodes(op="output")[0]
+    for n in sorted((n for n in nodes if n.op not in ("placeholder", "output")),
+                    key=lambda n: (n not in fwd, depth[n], pos[n])):
+        out.prepend(n)
 
 
 def _mean_over_ranks(g, cap, params, counts, ranks, group, stage, sharded=None) -> None:
@@ -541,7 +569,8 @@ _AUTOGRAD = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "r
 
 
 def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, stage: str | None = None,
-                  capacity: float | None = None, shard_shared: bool = False) -> tuple[Capture, dict[str, Shard]]:
+                  capacity: float | None = None, shard_shared: bool = False,
+                  split: int = 1) -> tuple[Capture, dict[str, Shard]]:
     """The ep-local step traced through ``hf_forwards``: its collectives made the plain functional ones
     the passes read (named, by kind, phase and bytes, on the ep axis; with ``stage``, their payloads
     copied there and back, as gloo ranks on a GPU need), and the other gradients and the loss
@@ -574,6 +603,8 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, 
     shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
     _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
     g.eliminate_dead_code()
+    if split > 1:
+        interleave(g, g.find_nodes(op="output")[0].args[0][0])
     issue_early(g)
     g.lint()
     gm.recompile()
