@@ -354,16 +354,19 @@ def test_cuda_a_checkpoint_resumes_bit_identical(tmp_path, kw):
 
 
 @needs_cuda
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_cuda_expert_parallel_gloo_ranks_sharing_the_gpu(pools, strategy):
+@pytest.mark.parametrize("strategy,split", [("ddp", 1), ("zero3", 1), ("zero3", 2)])
+def test_cuda_expert_parallel_gloo_ranks_sharing_the_gpu(pools, strategy, split):
     """ep=2 on CUDA tensors, two gloo ranks on the one GPU (the all-to-alls staged through the host):
-    the ep-local step on the device, against single-device training of both ranks' batches."""
-    over = (("capacity_factor", 1.0),)  # with drops
+    the ep-local step on the device, against single-device training of both ranks' batches (with
+    ``split``, each batch as two interleaved halves: no drops then, so that the halves' capacities
+    change nothing)."""
+    over = (("capacity_factor", 1.0 if split == 1 else 2.0),)  # with drops, unless split
     ref_losses, ref_sd = harness.reference("moe", "fp64", 2, 3, over)
-    losses, sd, info = pools(2, "gloo").run(harness.ep_run, strategy, 3, 2, 1.0, device="cuda")[0]
+    losses, sd, info = pools(2, "gloo").run(harness.ep_run, strategy, 3, 2, dict(over)["capacity_factor"],
+                                            device="cuda", ep_split=split)[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
-    assert info["phases"][("ep", "all_to_all", "fwd")] == 2 * info["n_layer"]
+    assert info["phases"][("ep", "all_to_all", "fwd")] == 2 * info["n_layer"] * split
 
 
 @needs_cuda
