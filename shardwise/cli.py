@@ -382,6 +382,13 @@ def _plan_parser(sub) -> None:
                    help="AXIS=V1,V2,... (cluster, model, tp, pp, zero, shard, micro-batch, global-batch, seq, recompute, "
                         "virtual): one estimate per value; or a built-in sweep: grad-sync, latency")
     p.add_argument("--png", default=None, help="with --sweep AXIS=...: write a plot there")
+    p.add_argument("--search", action="store_true",
+                   help="find the fastest layouts that fit (tp, pp, virtual stages, zero, hybrid shard, ep, micro-batch, "
+                        "recompute) for --global-batch on --cluster; prints the top few and which shardwise runs today")
+    p.add_argument("--search-space", action="append", default=[], metavar="AXIS=V1,V2",
+                   help="with --search: keep an axis (tp, pp, virtual, micro-batch, zero, ep, recompute) to these values "
+                        "(what the system the layout is for can run); repeatable")
+    p.add_argument("--top", type=int, default=5, help="with --search: layouts to print (default 5)")
     p.add_argument("--validate", action="store_true",
                    help="print predictions against the published runs of the validation table (ignores the rest)")
 
@@ -432,6 +439,8 @@ def plan_main(args) -> None:
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
                       capacity=args.capacity)
+        if args.search:
+            return _plan_search(args, m, c, st)
         if args.sweep:
             from shardwise.planner import sweep
 
@@ -468,10 +477,57 @@ def plan_main(args) -> None:
     print(f"memory per GPU {gb(mem['total'])} of {gb(c.accel.hbm_bytes)}{'' if e.fits else ' (DOES NOT FIT)'}: "
           f"weights {gb(mem['weights'])}, grads {gb(mem['grads'])}, optimizer {gb(mem['optimizer'])}, "
           f"activations {gb(mem['activations'])}")
+    if not e.fits and st.global_batch is not None:
+        from shardwise.planner.search import describe, search
+
+        top, _ = search(m, c, st, top=1)
+        print(f"fits instead: {describe(top[0].strategy)}, step {top[0].estimate.step_s:.3f} s, memory per GPU "
+              f"{gb(top[0].estimate.memory['total'])} (plan --search lists more)" if top else
+              "no layout of this batch fits this cluster: plan --search says on how many nodes one does")
     if args.explain:
         print("formulas:")
         for line in e.formulas:
             print("  " + line)
+
+
+def _plan_search(args, m, c, st) -> None:
+    """``plan --search``: the fastest layouts that fit, or, where none does, what would."""
+    import json
+
+    from shardwise.planner.search import describe, runs_on_shardwise, search, to_fit
+
+    space = {}
+    for spec in args.search_space:
+        key, _, vals = spec.partition("=")
+        key = key.replace("-", "_")
+        if key not in ("tp", "pp", "virtual", "micro_batch", "zero", "ep", "recompute") or not vals:
+            raise SystemExit(f"shardwise plan: --search-space {spec!r}: use AXIS=V1,V2 with AXIS one of tp, pp, virtual, "
+                             "micro-batch, zero, ep, recompute")
+        space[key] = [v if key == "recompute" else int(v) for v in vals.split(",")]
+    top, info = search(m, c, st, top=args.top, space=space)
+    rows = [{"layout": describe(f.strategy), "step_s": f.estimate.step_s, "mfu": f.estimate.mfu,
+             "memory_gb": f.estimate.memory["total"] / 1e9, "tokens_per_s_per_gpu": f.estimate.tokens_per_s_per_gpu,
+             "shardwise": runs_on_shardwise(f.strategy)} for f in top]
+    if args.json:
+        print(json.dumps({"model": str(m), "cluster": str(c), "weighed": info["weighed"], "fit": info["fit"],
+                          "seconds": info["seconds"], "top": rows}, indent=1))
+        return
+    print(m)
+    print(c)
+    print(f"searched {info['weighed']} layouts of global batch {st.global_batch} in {info['seconds']:.1f} s; "
+          f"{info['fit']} fit in {c.accel.hbm_bytes / 1e9:.0f} GB per GPU")
+    for i, r in enumerate(rows, 1):
+        print(f"{i:2d}. {r['layout']:55s} step {r['step_s']:.3f} s  MFU {r['mfu']:.1%}  {r['memory_gb']:.1f} GB  "
+              f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  shardwise: {r['shardwise'] or 'not yet (pp, hybrid shard or recompute)'}")
+    if not rows:
+        least = info["least"]
+        if least is not None:
+            print(f"none fits: the least memory is {least.estimate.memory['total'] / 1e9:.1f} GB per GPU "
+                  f"({describe(least.strategy)})")
+        more = to_fit(m, args.cluster, st, space=space)
+        print(f"fits on {more[0]}: {describe(more[1].strategy)}, step {more[1].estimate.step_s:.3f} s, "
+              f"{more[1].estimate.memory['total'] / 1e9:.1f} GB per GPU" if more else
+              "no cluster of up to 64 times these nodes fits it: a smaller global batch or sequence would")
 
 
 def main(argv=None) -> int:
@@ -504,6 +560,8 @@ def main(argv=None) -> int:
         # told here, before any rank starts
         parser.error("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1)" if args.sp else
                      "--vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N (N > 1)")
+    if getattr(args, "ep_split", 1) != 1 and getattr(args, "ep", 1) <= 1:
+        parser.error("--ep-split splits the batch for expert parallelism: give --ep N (N > 1) with it")
     fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main, "bench": bench_main}[args.cmd]
     from shardwise.runtime.launch import spawn, under_launcher
 

@@ -480,3 +480,44 @@ def test_validation_summary_counts():
     blind = [r for r in rows if not r["fitted"]]
     assert (len(rows), len(blind)) == (66, 61)
     assert sum(abs(r["error"]) <= 0.10 for r in blind) == 51
+
+
+@pytest.mark.parametrize("size", ["22B", "175B", "530B"])
+def test_search_agrees_with_the_published_tuning_of_megatron(size):
+    """Korthikanti et al.'s layouts with sequence parallelism and selective recomputation (their tuned
+    runs on A100s): searched over what Megatron then ran (no ZeRO, that recomputation), the top layout
+    is predicted at most 5% faster than the published one, and no faster than any layout it weighed."""
+    from shardwise.planner.search import layouts, search
+    from shardwise.planner.validation import RUNS
+
+    run = next(r for r in RUNS if r.label.startswith(f"{size},") and "selective" in r.label)
+    c, st = cluster(run.cluster), run.strategy
+    published = estimate(run.model, c, st)
+    base = Strategy(global_batch=st.global_batch, seq=st.seq, fused_attention=st.fused_attention)
+    space = {"zero": [0], "recompute": [st.recompute]}
+    top, info = search(run.model, c, base, space=space)
+    assert top and top[0].estimate.fits and info["fit"] >= len(top)
+    assert top[0].estimate.step_s >= 0.95 * published.step_s, (top[0].strategy, top[0].estimate.step_s, published.step_s)
+    assert top[0].estimate.step_s <= published.step_s  # the published layout is in the space
+    assert any(s.tp == st.tp and s.pp == st.pp and s.virtual == st.virtual for s in layouts(run.model, c, base, space=space))
+    assert [f.estimate.step_s for f in top] == sorted(f.estimate.step_s for f in top)
+
+
+def test_cli_plan_search_lists_layouts_says_what_shardwise_runs_and_what_would_fit(capsys):
+    from shardwise.cli import main
+
+    main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "32", "--seq", "4096",
+          "--search", "--search-space", "recompute=none", "--search-space", "pp=1", "--top", "3"])
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if re.match(r"\s*\d+\. tp=", ln)]
+    assert len(rows) == 3 and all("recompute=none" in r and "pp=1" in r for r in rows), out
+    assert all("shardwise: --strategy " in r for r in rows), out  # no pipeline, no recompute: shardwise runs it
+    main(["plan", "--model", "llama3-405b", "--cluster", "dgx-h100:1", "--global-batch", "16", "--search"])
+    out = capsys.readouterr().out
+    assert "0 fit in 80 GB per GPU" in out and "none fits: the least memory is" in out, out
+    assert re.search(r"fits on dgx-h100:(\d+): tp=", out), out
+    main(["plan", "--model", "llama3-70b", "--cluster", "dgx-h100:4", "--global-batch", "32", "--tp", "8"])
+    out = capsys.readouterr().out
+    assert "(DOES NOT FIT)" in out and re.search(r"fits instead: tp=\d", out), out
+    with pytest.raises(SystemExit, match="needs the global batch"):
+        main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--search"])

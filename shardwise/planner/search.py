@@ -1,0 +1,151 @@
+"""``shardwise plan --search``: the fastest layouts of a model on a cluster for a global batch, by the
+planner's estimate (estimate.py), and what would make a job fit where none does.
+
+The space: tensor parallel inside a node (powers of two up to the node's GPUs, or what a TPU slice's
+leading axes hold), pipeline stages that divide the layers (with 1, 2 or 4 interleaved stages per
+GPU), ZeRO 0-3 and, for ZeRO, hybrid sharding over one node's GPUs, expert parallelism over sizes
+that divide the experts and the data-parallel ranks, micro-batches of 1-8 sequences that divide
+each rank's share of the batch, and the recomputation policies; sequence parallelism with tensor
+parallelism. What the base strategy fixes besides (global batch, sequence, attention kernel, expert
+capacity, efficiency, exposed shares) is kept. Layouts that do not fit the accelerator's memory
+are dropped; the rest are ranked by predicted step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .clusters import ClusterSpec, cluster
+from .estimate import RECOMPUTE, Estimate, Strategy, estimate
+from .models import ModelSpec
+
+MICRO_BATCHES = (1, 2, 4, 8)
+VIRTUAL = (1, 2, 3, 4)
+
+
+def _powers(limit: int) -> list[int]:
+    out, p = [], 1
+    while p <= limit:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def layouts(m: ModelSpec, c: ClusterSpec, base: Strategy, max_pp: int = 64, space: dict | None = None):
+    """Every strategy of the search space (module docstring) on ``c``, ``base``'s other fields kept;
+    ``space`` ({axis: values}: tp, pp, virtual, micro_batch, zero, ep, recompute) narrows an axis to
+    the values it lists (what the system a layout is for can run)."""
+    space = space or {}
+
+    def only(axis, values):
+        return [v for v in values if v in space[axis]] if axis in space else list(values)
+
+    gpus = c.gpus
+    tps = only("tp", [t for t in _powers(c.per_node if c.rings else gpus) if gpus % t == 0])
+    gb = base.global_batch
+    if gb is None:
+        raise ValueError("a layout search needs the global batch (sequences per step): give --global-batch")
+    # stages that split the layers evenly, and powers of two that do not (the fullest stage sets the pace)
+    pps = only("pp", sorted(set(_divisors(m.layers, max_pp)) | {p for p in _powers(max_pp) if p <= m.layers}))
+    for tp in tps:
+        for pp in pps:
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if gb % dp:
+                continue
+            per_rank = gb // dp
+            eps = only("ep", [e for e in _divisors(dp, m.experts) if m.experts % e == 0] if m.experts > 1 else [1])
+            for virtual in only("virtual", VIRTUAL if pp > 1 else (1,)):
+                if m.layers < pp * virtual or (virtual > 1 and m.layers % (pp * virtual)):
+                    continue
+                for mb in only("micro_batch", MICRO_BATCHES):
+                    if per_rank % mb:
+                        continue
+                    for zero in only("zero", (0, 1, 2, 3)):
+                        shards = [None] + ([c.per_node] if zero and c.rings and dp > c.per_node
+                                           and dp % c.per_node == 0 else [])
+                        for shard in shards:
+                            for ep in eps:
+                                for rc in only("recompute", RECOMPUTE):
+                                    yield dataclasses.replace(
+                                        base, tp=tp, pp=pp, virtual=virtual, micro_batch=mb, zero=zero, shard=shard,
+                                        ep=ep, recompute=rc, sp=tp > 1)
+
+
+def runs_on_shardwise(st: Strategy) -> str | None:
+    """The ``shardwise train`` flags that run ``st`` today, or None where it needs what shardwise does
+    not build yet (pipelines, hybrid sharding, recomputation policies other than none)."""
+    if st.pp > 1 or st.shard is not None or st.recompute != "none":
+        return None
+    flags = [f"--strategy {'ddp' if st.zero == 0 else f'zero{st.zero}'}"]
+    if st.tp > 1:
+        flags.append(f"--tp {st.tp}" + (" --sp" if st.sp else ""))
+    if st.ep > 1:
+        flags.append(f"--ep {st.ep}")
+    flags.append(f"--batch {st.micro_batch}")
+    return " ".join(flags)
+
+
+@dataclasses.dataclass
+class Found:
+    strategy: Strategy
+    estimate: Estimate
+
+
+def search(m: ModelSpec, c: ClusterSpec, base: Strategy, top: int = 5,
+           space: dict | None = None) -> tuple[list[Found], dict]:
+    """The ``top`` fastest layouts that fit, fastest first, and what the search did: how many layouts
+    it weighed, how many fit, its seconds, and the least memory any layout needs (with its strategy)."""
+    t0 = time.perf_counter()
+    fits: list[Found] = []
+    weighed, least = 0, None
+    for st in layouts(m, c, base, space=space):
+        try:
+            e = estimate(m, c, st)
+        except ValueError:
+            continue
+        weighed += 1
+        if least is None or e.memory["total"] < least.estimate.memory["total"]:
+            least = Found(st, e)
+        if e.fits:
+            fits.append(Found(st, e))
+    fits.sort(key=lambda f: (f.estimate.step_s, f.estimate.memory["total"]))  # ties: the smaller
+    return fits[:top], {"weighed": weighed, "fit": len(fits), "seconds": time.perf_counter() - t0, "least": least}
+
+
+def to_fit(m: ModelSpec, spec: str, base: Strategy, most: int = 64,
+           space: dict | None = None) -> tuple[str, Found] | None:
+    """Where no layout fits ``spec`` (``NODE:COUNT``): the smallest power-of-two multiple of its nodes
+    (up to ``most`` times) on which one does, and the fastest layout that fits there. None where the
+    cluster is not given by nodes or no multiple helps."""
+    name, _, count = spec.partition(":")
+    if not count.isdigit():
+        return None
+    k = 2
+    while k <= most:
+        bigger = f"{name}:{int(count) * k}"
+        cb, best = cluster(bigger), None
+        for st in layouts(m, cb, base, space=space):
+            try:
+                e = estimate(m, cb, st)
+            except ValueError:
+                continue
+            if e.fits and (best is None or e.step_s < best.estimate.step_s):
+                best = Found(st, e)
+        if best is not None:
+            return bigger, best
+        k *= 2
+    return None
+
+
+def describe(st: Strategy) -> str:
+    return (f"tp={st.tp}{' sp' if st.sp and st.tp > 1 else ''} pp={st.pp}"
+            + (f" v={st.virtual}" if st.virtual > 1 else "") + f" zero{st.zero}"
+            + (f" shard={st.shard}" if st.shard else "") + (f" ep={st.ep}" if st.ep > 1 else "")
+            + f" mb={st.micro_batch} recompute={st.recompute}")
