@@ -521,3 +521,19 @@ def test_cli_plan_search_lists_layouts_says_what_shardwise_runs_and_what_would_f
     assert "(DOES NOT FIT)" in out and re.search(r"fits instead: tp=\d", out), out
     with pytest.raises(SystemExit, match="needs the global batch"):
         main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--search"])
+
+
+def test_hf_configs_of_gpt2_and_opt_are_read_as_their_own_mlp_and_positions(tmp_path):
+    """GPT-2 small (124M) and OPT-125M from their config.json keys: a two-matrix MLP (4 x width where
+    the file gives none), learned positions, biases, a tied head, dropout; the published counts."""
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None, "vocab_size": 50257,
+            "n_positions": 1024, "resid_pdrop": 0.1, "activation_function": "gelu_new"}
+    opt = {"model_type": "opt", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+           "ffn_dim": 3072, "vocab_size": 50272, "max_position_embeddings": 2048, "dropout": 0.1,
+           "enable_bias": True, "word_embed_proj_dim": 768}
+    for cfg, total in ((gpt2, 124.44e6), (opt, 125.2e6)):
+        p = tmp_path / "config.json"
+        p.write_text(json.dumps(cfg))
+        m = from_hf_config(str(p))
+        assert not m.gated and m.tied and m.bias and m.dropout and m.ffn == 3072 and m.learned_positions > 0, m
+        assert abs(m.params() - total) / total < 0.01, (cfg["model_type"], m.params())

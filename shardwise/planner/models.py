@@ -163,20 +163,47 @@ MODELS = {
 }
 
 
+NON_GATED = {"gpt2", "gpt_bigcode", "gptj", "gpt_neox", "opt", "bloom", "falcon", "phi"}
+"""Hugging Face model types whose MLP is two matrices with an activation between (GELU/ReLU), not a
+gated (SwiGLU) three."""
+LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "opt"}
+"""Model types with a learned position embedding (the rest: rotary or ALiBi)."""
+
+
+def _first(c: dict, *keys, default=None):
+    return next((c[k] for k in keys if c.get(k) is not None), default)
+
+
 def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face ``config.json`` (Llama, Mistral, Mixtral, Qwen-style keys)."""
+    """A ``ModelSpec`` from a Hugging Face ``config.json``: Llama, Mistral, Mixtral, Qwen-style keys, and
+    GPT-2, OPT, BLOOM, GPT-J/NeoX, Falcon and Phi ones (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``,
+    ``ffn_dim``; a non-gated MLP, 4 x the width where no size is given; learned positions where the
+    family has them; biases and a tied head as the family's defaults, where the file does not say)."""
     with open(path) as f:
         c = json.load(f)
-    try:
-        hidden, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
-        ffn, vocab = c["intermediate_size"], c["vocab_size"]
-    except KeyError as e:
-        raise ValueError(f"{path}: not a decoder config shardwise plan understands (missing {e}); it needs "
-                         "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size") from None
-    return ModelSpec(name or c.get("_name_or_path") or c.get("model_type", "hf-model"), layers, hidden, heads,
-                     c.get("num_key_value_heads", heads), ffn, vocab, seq=c.get("max_position_embeddings", 4096),
-                     tied=bool(c.get("tie_word_embeddings", False)), experts=c.get("num_local_experts", 1),
-                     top_k=c.get("num_experts_per_tok", 1), bias=bool(c.get("attention_bias", False)),
+    kind = c.get("model_type", "")
+    plain = kind in NON_GATED
+    hidden = _first(c, "hidden_size", "n_embd", "n_embed", "d_model")
+    layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(c, "num_attention_heads", "n_head")
+    vocab = c.get("vocab_size")
+    ffn = _first(c, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size",
+                 default=4 * hidden if plain and hidden else None)
+    missing = [k for k, v in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
+                              ("intermediate_size", ffn), ("vocab_size", vocab)) if v is None]
+    if missing:
+        raise ValueError(f"{path}: not a decoder config shardwise plan understands (missing {missing[0]!r}); it needs "
+                         "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size (or "
+                         "GPT-2's n_embd, n_layer, n_head, n_inner; OPT's ffn_dim)")
+    seq = _first(c, "max_position_embeddings", "n_positions", "seq_length", default=4096 if not plain else 2048)
+    bias = bool(_first(c, "attention_bias", "enable_bias", "bias", default=plain and kind != "falcon"))
+    dropout = any((_first(c, k, default=0) or 0) > 0 for k in ("resid_pdrop", "dropout", "hidden_dropout"))
+    return ModelSpec(name or c.get("_name_or_path") or kind or "hf-model", layers, hidden, heads,
+                     _first(c, "num_key_value_heads", "num_kv_heads", default=heads), ffn, vocab, seq=seq,
+                     gated=not plain, tied=bool(c.get("tie_word_embeddings", plain)),
+                     experts=_first(c, "num_local_experts", "num_experts", default=1),
+                     top_k=_first(c, "num_experts_per_tok", default=1), bias=bias,
+                     learned_positions=seq if kind in LEARNED_POSITIONS else 0, dropout=dropout,
                      head_size=c.get("head_dim") or 0)
 
 
