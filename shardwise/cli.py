@@ -376,6 +376,15 @@ def _plan_parser(sub) -> None:
                         "node's GPUs) and the groups all-reduce their gradient shards (default: one group)")
     p.add_argument("--efficiency", type=float, default=None,
                    help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
+    p.add_argument("--unfused-attention", action="store_true",
+                   help="attention without a flash kernel: the s x s scores kept for the backward (pre-2022 runs)")
+    p.add_argument("--dropout", choices=["on", "off"], default=None,
+                   help="dropout after attention and MLP, its masks kept (default: the model's)")
+    p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
+                   help="share of the tensor-parallel communication left exposed (0: fully overlapped, as "
+                        "Megatron's --tp-comm-overlap aims; default: all on GPUs, the dp share on TPUs)")
+    p.add_argument("--dp-exposed", type=float, default=0.1, metavar="SHARE",
+                   help="share of the data-parallel communication left exposed behind the backward (default 0.1)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--explain", action="store_true", help="print each term's formula with its numbers")
     p.add_argument("--sweep", default=None,
@@ -394,6 +403,7 @@ def _plan_parser(sub) -> None:
 
 
 def plan_main(args) -> None:
+    import dataclasses
     import json
 
     from shardwise.planner.clusters import cluster
@@ -435,10 +445,17 @@ def plan_main(args) -> None:
         raise SystemExit("shardwise plan: --model and --cluster are required (or --validate, --sweep grad-sync|latency)")
     try:
         m, c = model(args.model), cluster(args.cluster)
+        if args.dropout is not None:
+            m = dataclasses.replace(m, dropout=args.dropout == "on")
+        for name in ("tp_exposed", "dp_exposed"):
+            v = getattr(args, name)
+            if v is not None and not 0 <= v <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} is a share of the communication, 0 to 1; got {v}")
         st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
-                      capacity=args.capacity)
+                      capacity=args.capacity, fused_attention=not args.unfused_attention,
+                      tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:

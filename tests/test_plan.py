@@ -537,3 +537,22 @@ def test_hf_configs_of_gpt2_and_opt_are_read_as_their_own_mlp_and_positions(tmp_
         m = from_hf_config(str(p))
         assert not m.gated and m.tied and m.bias and m.dropout and m.ffn == 3072 and m.learned_positions > 0, m
         assert abs(m.params() - total) / total < 0.01, (cfg["model_type"], m.params())
+
+
+def test_cli_plan_switches_for_attention_dropout_and_overlap(capsys):
+    """--unfused-attention keeps the scores (more activation memory), --dropout on its masks, --tp-exposed 0
+    hides the tensor-parallel communication (a shorter step); a share outside 0..1 is refused."""
+    from shardwise.cli import main
+
+    def run(*extra):
+        main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--tp", "8", "--global-batch", "8",
+              "--seq", "4096", "--recompute", "none", "--json", *extra])
+        return json.loads(capsys.readouterr().out)
+
+    base = run()
+    assert run("--unfused-attention")["memory"]["activations"] > base["memory"]["activations"]
+    assert run("--dropout", "on")["memory"]["activations"] > base["memory"]["activations"]
+    hidden = run("--tp-exposed", "0")
+    assert hidden["tp_exposed_s"] == 0 < base["tp_exposed_s"] and hidden["step_s"] < base["step_s"]
+    with pytest.raises(SystemExit, match="--dp-exposed is a share of the communication, 0 to 1"):
+        run("--dp-exposed", "1.5")
