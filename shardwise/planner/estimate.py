@@ -40,6 +40,7 @@ from .models import ModelSpec
 
 
 RECOMPUTE = ("none", "selective", "selective-op", "block", "full")
+RANK_ORDERS = ("tp-pp-dp", "tp-ep-dp-pp")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,15 @@ class Strategy:
     it across groups; each group's gradient shards are then all-reduced across the groups. None:
     one group of every data-parallel rank."""
 
+    rank_order: str = "tp-pp-dp"
+    """How ranks are numbered, innermost axis first: ``tp-pp-dp`` (Megatron-LM's: tensor parallel in a
+    node, then pipeline stages, data parallel outermost, an ep group being ``tp·pp`` ranks apart) or
+    ``tp-ep-dp-pp`` (Megatron-Core's default: expert groups next to tensor parallel, then data parallel,
+    pipeline stages outermost), which keeps a small ep group inside a node."""
+
     def __post_init__(self):
+        if self.rank_order not in RANK_ORDERS:
+            raise ValueError(f"rank_order must be one of {', '.join(RANK_ORDERS)}, got {self.rank_order!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if not self.capacity >= 1.0:
@@ -198,7 +207,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if st.ep > 1:
         a2a_bytes = 2.0 * b * seq * h * model.top_k / (st.tp if st.sp else 1)
         a2a_per_layer = 6 if layer_rerun else 4
-        ep_comm = (a2a_per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, st.tp * st.pp))
+        ep_apart = st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp
+        ep_comm = (a2a_per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, ep_apart))
 
     # pipeline bubble (1F1B, interleaved by `virtual`)
     bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
@@ -210,7 +220,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     expert_params = expert / (st.tp * st.pp * st.ep)
     shard_params = dense_params + expert_params
     grad_bytes = 2.0 * shard_params
-    inner = st.tp * st.pp
+    inner = st.tp * st.pp if st.rank_order == "tp-pp-dp" else st.tp  # how far apart a dp group's ranks are
     groups = [(2.0 * dense_params, dp, inner), (2.0 * expert_params, dp // st.ep, inner * st.ep)]
 
     def group(n):  # the sharding group of a data-parallel axis of n ranks
