@@ -376,6 +376,9 @@ def _plan_parser(sub) -> None:
                         "node's GPUs) and the groups all-reduce their gradient shards (default: one group)")
     p.add_argument("--efficiency", type=float, default=None,
                    help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
+    p.add_argument("--network", default=None, metavar="bw=GB/s[,latency=us][,leaf=N,oversub=K]",
+                   help="the fabric between nodes, per GPU, in place of the preset's (RoCE, Ethernet, a custom "
+                        "InfiniBand): e.g. bw=25,latency=10,leaf=16,oversub=2 for 16 nodes a leaf and 2:1 uplinks")
     p.add_argument("--rank-order", choices=["tp-pp-dp", "tp-ep-dp-pp"], default="tp-pp-dp",
                    help="rank numbering, innermost first: Megatron-LM's tp-pp-dp (default), or Megatron-Core's "
                         "tp-ep-dp-pp, which keeps expert groups next to tensor parallel (inside a node)")
@@ -447,7 +450,7 @@ def plan_main(args) -> None:
     if not args.model or not args.cluster:
         raise SystemExit("shardwise plan: --model and --cluster are required (or --validate, --sweep grad-sync|latency)")
     try:
-        m, c = model(args.model), cluster(args.cluster)
+        m, c = model(args.model), cluster(args.cluster, args.network)
         if args.dropout is not None:
             m = dataclasses.replace(m, dropout=args.dropout == "on")
         for name in ("tp_exposed", "dp_exposed"):
@@ -465,7 +468,7 @@ def plan_main(args) -> None:
             from shardwise.planner import sweep
 
             key, values = sweep.parse(args.sweep)
-            rows = sweep.run(key, values, m, args.cluster, st)
+            rows = sweep.run(key, values, m, args.cluster, st, args.network)
         else:
             e = estimate(m, c, st)
     except ValueError as err:
@@ -544,7 +547,7 @@ def _plan_search(args, m, c, st) -> None:
         if least is not None:
             print(f"none fits: the least memory is {least.estimate.memory['total'] / 1e9:.1f} GB per GPU "
                   f"({describe(least.strategy)})")
-        more = to_fit(m, args.cluster, st, space=space)
+        more = to_fit(m, args.cluster, st, space=space, fabric=args.network)
         print(f"fits on {more[0]}: {describe(more[1].strategy)}, step {more[1].estimate.step_s:.3f} s, "
               f"{more[1].estimate.memory['total'] / 1e9:.1f} GB per GPU" if more else
               "no cluster of up to 64 times these nodes fits it: a smaller global batch or sequence would")

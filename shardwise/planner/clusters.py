@@ -111,10 +111,35 @@ def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
     return ClusterSpec(spec, accel, Topology(spec, dims, rings=False))
 
 
-def cluster(spec: str) -> ClusterSpec:
+def network(spec: str) -> dict:
+    """``--network bw=25,latency=10,leaf=16,oversub=2``: the fabric between nodes, per GPU: bandwidth in
+    GB/s, latency in µs (default 14), and, for a leaf-spine fabric, the nodes under one leaf and the
+    oversubscription of its uplinks (traffic between leaves at ``bw / oversub``)."""
+    out = {}
+    for part in spec.split(","):
+        key, _, val = part.partition("=")
+        try:
+            out[key.strip()] = float(val)
+        except ValueError:
+            out[key.strip()] = None
+        if key.strip() not in ("bw", "latency", "leaf", "oversub") or out[key.strip()] is None or out[key.strip()] <= 0:
+            raise ValueError(f"--network {spec!r}: give bw=GB/s per GPU, and optionally latency=µs, leaf=NODES and "
+                             "oversub=FACTOR (each a positive number), e.g. bw=25,latency=10,leaf=16,oversub=2")
+    if "bw" not in out:
+        raise ValueError(f"--network {spec!r}: bw=GB/s per GPU is required")
+    if ("leaf" in out) != ("oversub" in out):
+        raise ValueError(f"--network {spec!r}: a leaf-spine fabric takes both leaf=NODES and oversub=FACTOR")
+    return out
+
+
+def cluster(spec: str, fabric: str | None = None) -> ClusterSpec:
     """``dgx-h100:32`` = 32 nodes of 8 H100s (a bare node name is one node); ``tpu-v5p:4x4x8`` a TPU slice;
-    ``tpu-v5e:16x16*4`` four slices joined by the data-center network."""
+    ``tpu-v5e:16x16*4`` four slices joined by the data-center network. ``fabric`` (``network``'s
+    format) replaces the network between nodes: a custom fabric, RoCE or Ethernet, oversubscribed."""
     name, _, n = spec.partition(":")
+    if fabric is not None and name in TPUS:
+        raise ValueError(f"--network describes the fabric between GPU nodes; {name} slices are joined by ICI "
+                         "(and, between slices, the data-center network)")
     if name in TPUS:
         return _tpu(spec, name, n or "x".join(["4"] * TPUS[name][2]))
     if name not in NODES:
@@ -129,5 +154,16 @@ def cluster(spec: str) -> ClusterSpec:
     accel, per, intra, inter = NODES[name]
     if inter is None and nodes > 1:
         raise ValueError(f"cluster {spec!r}: {name} is one machine with no network between machines; use {name}:1")
+    if fabric is not None:
+        if nodes == 1:
+            raise ValueError(f"--network describes the fabric between nodes; {spec} is one node")
+        f = network(fabric)
+        inter = Level(f"custom fabric {f['bw']:g} GB/s per GPU", f["bw"] * 1e9, f.get("latency", 14.0) * 1e-6)
+        leaf = int(f.get("leaf", nodes))
+        if leaf < nodes:
+            if nodes % leaf:
+                raise ValueError(f"--network leaf={leaf} does not divide the {nodes} nodes of {spec}")
+            spine = Level(f"spine ({f['oversub']:g}:1 oversubscribed)", f["bw"] * 1e9 / f["oversub"], inter.alpha)
+            return ClusterSpec(spec, accel, Topology(spec, ((per, intra), (leaf, inter), (nodes // leaf, spine))))
     dims = ((per, intra),) + (((nodes, inter),) if nodes > 1 or inter is not None else ())
     return ClusterSpec(spec, accel, Topology(spec, dims))

@@ -119,8 +119,8 @@ def search(m: ModelSpec, c: ClusterSpec, base: Strategy, top: int = 5,
     return fits[:top], {"weighed": weighed, "fit": len(fits), "seconds": time.perf_counter() - t0, "least": least}
 
 
-def to_fit(m: ModelSpec, spec: str, base: Strategy, most: int = 64,
-           space: dict | None = None) -> tuple[str, Found] | None:
+def to_fit(m: ModelSpec, spec: str, base: Strategy, most: int = 64, space: dict | None = None,
+           fabric: str | None = None) -> tuple[str, Found] | None:
     """Where no layout fits ``spec`` (``NODE:COUNT``): the smallest power-of-two multiple of its nodes
     (up to ``most`` times) on which one does, and the fastest layout that fits there. None where the
     cluster is not given by nodes or no multiple helps."""
@@ -130,7 +130,7 @@ def to_fit(m: ModelSpec, spec: str, base: Strategy, most: int = 64,
     k = 2
     while k <= most:
         bigger = f"{name}:{int(count) * k}"
-        cb, best = cluster(bigger), None
+        cb, best = cluster(bigger, fabric), None
         for st in layouts(m, cb, base, space=space):
             try:
                 e = estimate(m, cb, st)

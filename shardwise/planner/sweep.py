@@ -26,7 +26,7 @@ def parse(spec: str) -> tuple[str, list]:
     return key, out
 
 
-def run(key: str, values: list, m: ModelSpec, cluster_spec: str, st: Strategy) -> list[dict]:
+def run(key: str, values: list, m: ModelSpec, cluster_spec: str, st: Strategy, fabric: str | None = None) -> list[dict]:
     rows = []
     for v in values:
         mm, cc, ss = m, cluster_spec, st
@@ -37,7 +37,7 @@ def run(key: str, values: list, m: ModelSpec, cluster_spec: str, st: Strategy) -
         else:
             ss = dataclasses.replace(st, **{key: v})
         try:
-            e = estimate(mm, cluster(cc), ss)
+            e = estimate(mm, cluster(cc, fabric), ss)
             rows.append({key: v, "step_s": e.step_s, "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu,
                          "memory_gb": e.memory["total"] / 1e9, "fits": e.fits, "compute_s": e.compute_s,
                          "comm_s": e.tp_exposed_s + e.ep_comm_s + e.dp_exposed_s, "bubble_s": e.pp_bubble_s})
