@@ -382,6 +382,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--rank-order", choices=["tp-pp-dp", "tp-ep-dp-pp"], default="tp-pp-dp",
                    help="rank numbering, innermost first: Megatron-LM's tp-pp-dp (default), or Megatron-Core's "
                         "tp-ep-dp-pp, which keeps expert groups next to tensor parallel (inside a node)")
+    p.add_argument("--reduce-fp32", action="store_true",
+                   help="gradients kept and reduced in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32)")
     p.add_argument("--unfused-attention", action="store_true",
                    help="attention without a flash kernel: the s x s scores kept for the backward (pre-2022 runs)")
     p.add_argument("--dropout", choices=["on", "off"], default=None,
@@ -461,7 +463,8 @@ def plan_main(args) -> None:
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
                       capacity=args.capacity, fused_attention=not args.unfused_attention,
-                      tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed, rank_order=args.rank_order)
+                      tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed, rank_order=args.rank_order,
+                      reduce_fp32=args.reduce_fp32)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:

@@ -598,3 +598,32 @@ def test_a_custom_fabric_and_its_oversubscription(capsys):
     assert "spine (4:1 oversubscribed)" in str(make("dgx-h100:32", "bw=25,leaf=8,oversub=4"))
     with pytest.raises(SystemExit, match="a leaf-spine fabric takes both"):
         main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:4", "--network", "bw=25,leaf=2"])
+
+
+def test_sliding_window_shared_experts_and_fp32_gradient_reduction(tmp_path):
+    """A Qwen1.5-MoE-A2.7B config.json: 60 experts of their own width and a shared expert, counted as
+    published (14.3B in all, 2.7B active). Mistral's sliding window: attention FLOPs of the window,
+    not of a longer sequence. Gradients reduced in fp32: twice the reduction's bytes and the
+    gradients' memory, the same weights' gathers."""
+    qwen = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+            "vocab_size": 151936, "max_position_embeddings": 8192, "tie_word_embeddings": False}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(qwen))
+    m = from_hf_config(str(p))
+    assert m.experts == 60 and m.ffn == 1408 and m.shared_ffn == 5632
+    assert abs(m.params() / 14.3e9 - 1) < 0.01 and abs(m.active_params() / 2.7e9 - 1) < 0.01
+    mistral = {"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+               "max_position_embeddings": 32768, "sliding_window": 4096}
+    p.write_text(json.dumps(mistral))
+    windowed = from_hf_config(str(p))
+    whole = dataclasses.replace(windowed, window=0)
+    attn = lambda mm, s: mm.flops_per_token(s) - mm.flops_per_token(1)  # noqa: E731
+    assert attn(windowed, 32768) == pytest.approx(attn(whole, 4096), rel=1e-3) and attn(whole, 32768) > 7 * attn(windowed, 32768)
+    assert windowed.flops_per_token(2048) == whole.flops_per_token(2048)  # a sequence inside the window
+    c, st = cluster("dgx-h100:4"), Strategy(zero=3, global_batch=32, seq=4096)
+    bf16, fp32 = estimate(model("llama3-8b"), c, st), estimate(model("llama3-8b"), c, dataclasses.replace(st, reduce_fp32=True))
+    assert fp32.memory["grads"] == 2 * bf16.memory["grads"] and fp32.memory["weights"] == bf16.memory["weights"]
+    assert bf16.dp_comm_s < fp32.dp_comm_s < 2 * bf16.dp_comm_s

@@ -89,6 +89,10 @@ class Strategy:
     it across groups; each group's gradient shards are then all-reduced across the groups. None:
     one group of every data-parallel rank."""
 
+    reduce_fp32: bool = False
+    """Gradients kept and reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``, FSDP's
+    ``reduce_dtype=float32``): 4 bytes a parameter for the gradients held and for their reduction,
+    the weights still gathered in 16-bit."""
     rank_order: str = "tp-pp-dp"
     """How ranks are numbered, innermost axis first: ``tp-pp-dp`` (Megatron-LM's: tensor parallel in a
     node, then pipeline stages, data parallel outermost, an ep group being ``tp·pp`` ranks apart) or
@@ -219,23 +223,24 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     dense_params = (model.params() - expert) / (st.tp * st.pp)
     expert_params = expert / (st.tp * st.pp * st.ep)
     shard_params = dense_params + expert_params
-    grad_bytes = 2.0 * shard_params
+    gbytes = 4.0 if st.reduce_fp32 else 2.0  # per gradient element
+    grad_bytes = gbytes * shard_params
     inner = st.tp * st.pp if st.rank_order == "tp-pp-dp" else st.tp  # how far apart a dp group's ranks are
-    groups = [(2.0 * dense_params, dp, inner), (2.0 * expert_params, dp // st.ep, inner * st.ep)]
+    groups = [(dense_params, dp, inner), (expert_params, dp // st.ep, inner * st.ep)]
 
     def group(n):  # the sharding group of a data-parallel axis of n ranks
         return n if st.shard is None else min(st.shard, n)
 
-    def reduce(nbytes, n, stride):
+    def reduce(params, n, stride):  # the gradients reduced (gbytes each), the 16-bit weights gathered
         if st.zero == 0:
-            return cluster.collective_s("all_reduce", nbytes, n, stride)
+            return cluster.collective_s("all_reduce", gbytes * params, n, stride)
         s = group(n)
-        inside = (cluster.collective_s("reduce_scatter", nbytes, s, stride)
-                  + cluster.collective_s("all_gather", nbytes, s, stride) * (3 if st.zero == 3 else 1))
+        inside = (cluster.collective_s("reduce_scatter", gbytes * params, s, stride)
+                  + cluster.collective_s("all_gather", 2.0 * params, s, stride) * (3 if st.zero == 3 else 1))
         # hybrid sharding: each rank's gradient shard all-reduced with its replicas in the other groups
-        return inside + (cluster.collective_s("all_reduce", nbytes / s, n // s, stride * s) if n > s else 0.0)
+        return inside + (cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s) if n > s else 0.0)
 
-    dp_comm = sum(reduce(nb, n, stride) for nb, n, stride in groups if nb > 0)
+    dp_comm = sum(reduce(p, n, stride) for p, n, stride in groups if p > 0)
     # it hides behind the compute it overlaps: zero3's gathers and reductions run through the whole
     # step, a gradient reduction through the backward (with a pipeline, the last micro-batch's only,
     # where the stage's gradients become ready); what does not fit there is exposed
@@ -254,7 +259,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
     # memory per GPU
     weights = 2.0 * (dense_params / z(3, dp) + expert_params / z(3, dp // st.ep))
-    grads = 2.0 * (dense_params / z(2, dp) + expert_params / z(2, dp // st.ep))
+    grads = gbytes * (dense_params / z(2, dp) + expert_params / z(2, dp // st.ep))
     optim = 12.0 * opt_params
     per_layer_act = model.layer_activation_bytes(seq, b, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
     in_flight = min(st.pp, m) if st.pp > 1 else 1
@@ -280,14 +285,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
-        f" of 2·N/(tp·pp) = {g(grad_bytes)} B over {group(dp)}"
+        f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(dp)}"
         + (f", then all-reduce of 1/{group(dp)} of it over the {dp // group(dp)} groups" if group(dp) < dp else "")
         + f") = {g(dp_comm)} s, exposed max({st.dp_exposed:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s",
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
         + (f" + logits 4·s·b·v/tp = {g(logits)} B" if logits else ""),
-        f"memory = 2·N' weights + 2·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
+        f"memory = 2·N' weights + {gbytes:g}·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
         f"= {g(total)} B",
     ]
     if st.ep > 1:

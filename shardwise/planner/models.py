@@ -34,6 +34,11 @@ class ModelSpec:
     head_size: int = 0
     """Width of one attention head; 0: hidden / heads. MaxText's scaled models keep 128 while the
     head count grows faster than the width, so their queries are wider than the model."""
+    window: int = 0
+    """Sliding-window attention (Mistral): each query attends to this many keys; 0: the whole sequence."""
+    shared_ffn: int = 0
+    """MoE: the inner width of the shared expert(s) every token also passes through (Qwen-MoE,
+    DeepSeek), a gated MLP beside the routed ones; 0: none."""
 
     @property
     def head_dim(self) -> int:
@@ -57,7 +62,8 @@ class ModelSpec:
         router = self.hidden * self.experts if self.experts > 1 else 0
         experts = self.top_k if active and self.experts > 1 else self.experts
         norms = 2 * self.hidden * (2 if self.bias else 1)
-        return self.attention_params() + experts * self.expert_params() + router + norms
+        shared = 3 * self.hidden * self.shared_ffn
+        return self.attention_params() + experts * self.expert_params() + router + norms + shared
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + self.learned_positions * self.hidden
@@ -78,9 +84,11 @@ class ModelSpec:
     def flops_per_token(self, seq: int | None = None) -> float:
         """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is
         no multiply; a tied head still is one) plus 12·L·d·T for attention (PaLM's formula; d the
-        query width, heads x head size)."""
+        query width, heads x head size; T the keys a query attends to: the window, where one is
+        shorter than the sequence)."""
         matmul = self.layers * (self.layer_params(True) - 2 * self.hidden) + self.vocab * self.hidden
-        return flops_per_token(matmul, self.layers, self.q_dim, seq or self.seq)
+        seq = seq or self.seq
+        return flops_per_token(matmul, self.layers, self.q_dim, min(seq, self.window) if self.window else seq)
 
     def layer_activation_bytes(self, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                                recompute: str = "none", fused_attention: bool = True, capacity: float = 1.0) -> float:
@@ -113,7 +121,8 @@ class ModelSpec:
         else:
             whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
             split = (4.0 * sb * self.q_dim + 4.0 * sb * kv
-                     + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k * capacity)
+                     + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k * capacity
+                     + 6.0 * sb * self.shared_ffn)
             if recompute == "none" and not fused_attention:
                 split += 5.0 * self.heads * seq * sb
         return (whole + split) / tp if sp else whole + split / tp
@@ -138,7 +147,7 @@ class ModelSpec:
         kernels move less (the accelerator's fitted ceiling absorbs some of that)."""
         h = self.hidden
         hidden = (2 * 4 + 2 * (7 if self.dropout else 6)) * h / (tp if sp else 1)
-        act = (6.0 if self.gated else 4.0) * self.ffn * self.top_k * capacity / tp
+        act = ((6.0 if self.gated else 4.0) * self.ffn * self.top_k * capacity + 6.0 * self.shared_ffn) / tp
         scores = 0.0 if fused_attention else (13.0 if self.dropout else 8.0) * self.heads * seq / tp
         fwd_e, fwd_s = hidden + act, scores
         return (fwd_e * (3 + (recompute in ("full", "block", "selective-op")))
@@ -178,7 +187,10 @@ def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
     """A ``ModelSpec`` from a Hugging Face ``config.json``: Llama, Mistral, Mixtral, Qwen-style keys, and
     GPT-2, OPT, BLOOM, GPT-J/NeoX, Falcon and Phi ones (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``,
     ``ffn_dim``; a non-gated MLP, 4 x the width where no size is given; learned positions where the
-    family has them; biases and a tied head as the family's defaults, where the file does not say)."""
+    family has them; biases and a tied head as the family's defaults, where the file does not say);
+    a sliding window (Mistral's ``sliding_window``), and MoE experts' own width and shared experts
+    (Qwen-MoE's ``moe_intermediate_size`` and ``shared_expert_intermediate_size``; DeepSeek's
+    ``n_routed_experts`` and ``n_shared_experts``)."""
     with open(path) as f:
         c = json.load(f)
     kind = c.get("model_type", "")
@@ -187,8 +199,12 @@ def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
     layers = _first(c, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(c, "num_attention_heads", "n_head")
     vocab = c.get("vocab_size")
-    ffn = _first(c, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size",
-                 default=4 * hidden if plain and hidden else None)
+    experts = _first(c, "num_local_experts", "num_experts", "n_routed_experts", default=1)
+    # an MoE's experts have a width of their own (Qwen-MoE, DeepSeek: moe_intermediate_size)
+    ffn = _first(c, *(("moe_intermediate_size",) if experts > 1 else ()), "intermediate_size", "ffn_dim", "n_inner",
+                 "ffn_hidden_size", default=4 * hidden if plain and hidden else None)
+    shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * (ffn or 0)
+    window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
     missing = [k for k, v in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
                               ("intermediate_size", ffn), ("vocab_size", vocab)) if v is None]
     if missing:
@@ -201,10 +217,9 @@ def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
     return ModelSpec(name or c.get("_name_or_path") or kind or "hf-model", layers, hidden, heads,
                      _first(c, "num_key_value_heads", "num_kv_heads", default=heads), ffn, vocab, seq=seq,
                      gated=not plain, tied=bool(c.get("tie_word_embeddings", plain)),
-                     experts=_first(c, "num_local_experts", "num_experts", default=1),
-                     top_k=_first(c, "num_experts_per_tok", default=1), bias=bias,
+                     experts=experts, top_k=_first(c, "num_experts_per_tok", default=1), bias=bias,
                      learned_positions=seq if kind in LEARNED_POSITIONS else 0, dropout=dropout,
-                     head_size=c.get("head_dim") or 0)
+                     head_size=c.get("head_dim") or 0, window=window or 0, shared_ffn=shared if experts > 1 else 0)
 
 
 def model(name_or_path: str) -> ModelSpec:
