@@ -368,6 +368,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence cut over this many ranks (ring attention)")
     p.add_argument("--capacity", type=float, default=1.0,
                    help="MoE expert capacity factor: experts compute on this many times their routed tokens "
                         "(capacity dispatch, e.g. 1.25; default 1: exact top-k)")
@@ -464,7 +466,7 @@ def plan_main(args) -> None:
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
                       capacity=args.capacity, fused_attention=not args.unfused_attention,
                       tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed, rank_order=args.rank_order,
-                      reduce_fp32=args.reduce_fp32)
+                      reduce_fp32=args.reduce_fp32, cp=args.cp)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:
@@ -492,10 +494,12 @@ def plan_main(args) -> None:
     print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}"
           + (f" sharded over groups of {st.shard}" if st.shard else "") + f", micro-batch {st.micro_batch} x "
           f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}"
-          + (f", ep={st.ep}" if st.ep > 1 else "") + (f", expert capacity {st.capacity:g}" if st.capacity != 1 else ""))
+          + (f", ep={st.ep}" if st.ep > 1 else "") + (f", cp={st.cp}" if st.cp > 1 else "")
+          + (f", expert capacity {st.capacity:g}" if st.capacity != 1 else ""))
     tp = ms(e.tp_exposed_s) + (f" (of {ms(e.tp_comm_s)})" if e.tp_exposed_s < e.tp_comm_s else "")
     print(f"step {e.step_s:.3f} s = compute {ms(e.compute_s)} + exposed tensor-parallel comm {tp} + "
-          + (f"expert all-to-all {ms(e.ep_comm_s)} + " if st.ep > 1 else "") + 
+          + (f"expert all-to-all {ms(e.ep_comm_s)} + " if st.ep > 1 else "")
+          + (f"exposed context-parallel comm {ms(e.cp_exposed_s)} (of {ms(e.cp_comm_s)}) + " if st.cp > 1 else "") +
           f"pipeline bubble {ms(e.pp_bubble_s)} + exposed data-parallel comm {ms(e.dp_exposed_s)} "
           f"(of {ms(e.dp_comm_s)}) + optimizer {ms(e.optimizer_s)}")
     print(f"tokens/s {e.tokens_per_s:,.0f} ({e.tokens_per_s_per_gpu:,.0f} per GPU), MFU {e.mfu:.1%}")
@@ -526,9 +530,9 @@ def _plan_search(args, m, c, st) -> None:
     for spec in args.search_space:
         key, _, vals = spec.partition("=")
         key = key.replace("-", "_")
-        if key not in ("tp", "pp", "virtual", "micro_batch", "zero", "ep", "recompute") or not vals:
+        if key not in ("tp", "pp", "virtual", "micro_batch", "zero", "ep", "cp", "recompute") or not vals:
             raise SystemExit(f"shardwise plan: --search-space {spec!r}: use AXIS=V1,V2 with AXIS one of tp, pp, virtual, "
-                             "micro-batch, zero, ep, recompute")
+                             "micro-batch, zero, ep, cp, recompute")
         space[key] = [v if key == "recompute" else int(v) for v in vals.split(",")]
     top, info = search(m, c, st, top=args.top, space=space)
     rows = [{"layout": describe(f.strategy), "step_s": f.estimate.step_s, "mfu": f.estimate.mfu,
@@ -544,7 +548,7 @@ def _plan_search(args, m, c, st) -> None:
           f"{info['fit']} fit in {c.accel.hbm_bytes / 1e9:.0f} GB per GPU")
     for i, r in enumerate(rows, 1):
         print(f"{i:2d}. {r['layout']:55s} step {r['step_s']:.3f} s  MFU {r['mfu']:.1%}  {r['memory_gb']:.1f} GB  "
-              f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  shardwise: {r['shardwise'] or 'not yet (pp, hybrid shard or recompute)'}")
+              f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  shardwise: {r['shardwise'] or 'not yet (pp, hybrid shard, cp or recompute)'}")
     if not rows:
         least = info["least"]
         if least is not None:

@@ -627,3 +627,27 @@ def test_sliding_window_shared_experts_and_fp32_gradient_reduction(tmp_path):
     bf16, fp32 = estimate(model("llama3-8b"), c, st), estimate(model("llama3-8b"), c, dataclasses.replace(st, reduce_fp32=True))
     assert fp32.memory["grads"] == 2 * bf16.memory["grads"] and fp32.memory["weights"] == bf16.memory["weights"]
     assert bf16.dp_comm_s < fp32.dp_comm_s < 2 * bf16.dp_comm_s
+
+
+def test_context_parallelism_cuts_the_sequence_and_passes_the_keys_and_values_around(capsys):
+    """Llama 3 405B at 131,072 tokens a sequence (tp=8 pp=8, 8 sequences a step over 8 pipelines): on
+    64 DGX H100 nodes without cp the activations do not fit; on 256 with cp=4 (the same pipelines,
+    each sequence cut in four) each rank keeps a quarter of each layer's, the key/value collectives
+    mostly hide under the attention's products, and ZeRO-1 shards over dp x cp. The search weighs cp
+    where asked."""
+    from shardwise.cli import main
+
+    m = model("llama3-405b")
+    st = Strategy(tp=8, pp=8, zero=1, global_batch=8, seq=131072, recompute="selective")
+    none, cp4 = estimate(m, cluster("dgx-h100:64"), st), estimate(m, cluster("dgx-h100:256"), dataclasses.replace(st, cp=4))
+    assert none.dp == cp4.dp == 8 and not none.fits and cp4.fits, (none.memory["total"], cp4.memory["total"])
+    assert cp4.memory["activations"] == pytest.approx(none.memory["activations"] / 4, rel=0.02)
+    assert 0 < cp4.cp_exposed_s < 0.5 * cp4.cp_comm_s and none.cp_comm_s == 0
+    assert cp4.compute_s < none.compute_s / 3  # the same work over four times the GPUs
+    assert cp4.memory["optimizer"] == pytest.approx(none.memory["optimizer"] / 4)
+    with pytest.raises(ValueError, match="cp=3 does not divide the sequence"):
+        estimate(m, cluster("dgx-h100:192"), dataclasses.replace(st, cp=3))
+    main(["plan", "--model", "llama3-405b", "--cluster", "dgx-h100:256", "--global-batch", "8", "--seq", "131072",
+          "--search", "--search-space", "cp=1,2,4,8", "--search-space", "recompute=selective", "--top", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r" 1\. tp=\d+ sp pp=\d+.* cp=\d", out), out

@@ -64,6 +64,11 @@ class Strategy:
     """Sequence parallelism alongside tensor parallelism."""
     virtual: int = 1
     """Interleaved pipeline stages per GPU."""
+    cp: int = 1
+    """Context parallelism: each sequence cut over ``cp`` ranks (adjacent after tensor parallel), the
+    attention's keys and values passed around them (ring attention: gathered in the forward,
+    gathered and their gradients reduce-scattered in the backward), overlapped with the attention's
+    own products; the parameters replicated over cp, their gradients reduced over dp x cp."""
     ep: int = 1
     """Expert parallelism (MoE): each expert lives on one of ``ep`` data-parallel ranks; tokens reach
     it by an all-to-all, there and back."""
@@ -108,7 +113,7 @@ class Strategy:
             raise ValueError(f"capacity must be at least 1 (an expert's share of the routed tokens), got {self.capacity}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0..3, got {self.zero}")
-        for k in ("tp", "pp", "micro_batch", "virtual", "ep"):
+        for k in ("tp", "pp", "micro_batch", "virtual", "ep", "cp"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be at least 1, got {getattr(self, k)}")
         if self.shard is not None and (self.shard < 1 or self.zero == 0):
@@ -137,6 +142,8 @@ class Estimate:
     fits: bool
     formulas: list = field(default_factory=list)
     """Each term as its formula with the numbers put in (``shardwise plan --explain``)."""
+    cp_comm_s: float = 0.0
+    cp_exposed_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -144,8 +151,9 @@ class Estimate:
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     gpus = cluster.gpus
-    if gpus % (st.tp * st.pp):
-        raise ValueError(f"tp x pp = {st.tp * st.pp} does not divide the {gpus} GPUs of {cluster.name}")
+    if gpus % (st.tp * st.pp * st.cp):
+        what = "tp x pp" + (" x cp" if st.cp > 1 else "")
+        raise ValueError(f"{what} = {st.tp * st.pp * st.cp} does not divide the {gpus} GPUs of {cluster.name}")
     if cluster.rings and st.tp > cluster.per_node:
         raise ValueError(f"tp={st.tp} spans nodes ({cluster.per_node} GPUs per node): keep tensor parallel "
                          "inside a node")
@@ -153,13 +161,17 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         cluster.levels(st.tp)  # a TPU slice: tensor parallel over the leading torus axes, which must hold it
     if model.layers < st.pp * st.virtual:
         raise ValueError(f"{model.layers} layers cannot fill pp x virtual = {st.pp * st.virtual} stages")
-    dp = gpus // (st.tp * st.pp)
+    dp = gpus // (st.tp * st.pp * st.cp)
+    sdp = dp * st.cp  # the ranks that hold the same parameters: their gradients are reduced together
     if st.shard is not None and (dp % st.shard or (st.ep > 1 and (dp // st.ep) % min(st.shard, dp // st.ep))):
         raise ValueError(f"shard={st.shard} must divide the data-parallel size {dp}"
                          + (f" and its expert groups of {dp // st.ep}" if st.ep > 1 else ""))
     if st.ep > 1 and (model.experts % st.ep or dp % st.ep):
         raise ValueError(f"ep={st.ep} must divide the model's {model.experts} experts and the data-parallel size {dp}")
     seq = st.seq or model.seq
+    if seq % st.cp:
+        raise ValueError(f"cp={st.cp} does not divide the sequence of {seq} tokens")
+    lseq = seq // st.cp  # this rank's part of each sequence
     gb = st.global_batch or dp * st.micro_batch
     if gb % (dp * st.micro_batch):
         raise ValueError(f"global batch {gb} is not a multiple of dp x micro-batch = {dp * st.micro_batch}")
@@ -191,7 +203,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
     # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
     ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
-    elementwise = tokens / dp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
+    elementwise = tokens / sdp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
     compute = matmul + elementwise
 
     # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute;
@@ -201,7 +213,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         (1.5 if st.sp and st.tp > 1 else 1.0) if st.recompute == "block" else 0.0)
     per_layer = 4 + tp_rerun
     layers_here = -(-L // st.pp)  # the fullest stage sets the pace when layers do not split evenly
-    act_bytes = 2.0 * b * seq * h
+    act_bytes = 2.0 * b * lseq * h
     one = cluster.collective_s("all_reduce", act_bytes, st.tp)
     tp_comm = per_layer * layers_here * m * one
 
@@ -209,10 +221,22 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # forward and in the backward (and the forward's again under full or block recomputation)
     ep_comm = 0.0
     if st.ep > 1:
-        a2a_bytes = 2.0 * b * seq * h * model.top_k / (st.tp if st.sp else 1)
+        a2a_bytes = 2.0 * b * lseq * h * model.top_k / (st.tp if st.sp else 1)
         a2a_per_layer = 6 if layer_rerun else 4
-        ep_apart = st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp
+        ep_apart = (st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp) * st.cp
         ep_comm = (a2a_per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, ep_apart))
+
+    # context parallel: per layer and micro-batch the whole sequence's keys and values (2 x 16-bit x
+    # b·s·kv) gathered in the forward, gathered again and their gradients reduce-scattered in the
+    # backward (and gathered once more where the layer is rerun), under the attention's products
+    cp_comm = cp_exposed = 0.0
+    if st.cp > 1:
+        kv_bytes = 4.0 * b * seq * model.kv_heads * model.head_dim / st.tp
+        cp_apart = st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp
+        cp_comm = (4 if layer_rerun else 3) * layers_here * m * cluster.collective_s("all_gather", kv_bytes, st.cp,
+                                                                                       cp_apart)
+        attn_s = matmul * 12.0 * L * model.q_dim * (min(seq, model.window) if model.window else seq) / (fpt + extra + pad)
+        cp_exposed = max(st.dp_exposed * cp_comm, cp_comm - attn_s)
 
     # pipeline bubble (1F1B, interleaved by `virtual`)
     bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
@@ -226,7 +250,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     gbytes = 4.0 if st.reduce_fp32 else 2.0  # per gradient element
     grad_bytes = gbytes * shard_params
     inner = st.tp * st.pp if st.rank_order == "tp-pp-dp" else st.tp  # how far apart a dp group's ranks are
-    groups = [(dense_params, dp, inner), (expert_params, dp // st.ep, inner * st.ep)]
+    groups = [(dense_params, sdp, inner), (expert_params, sdp // st.ep, inner * st.ep)]
 
     def group(n):  # the sharding group of a data-parallel axis of n ranks
         return n if st.shard is None else min(st.shard, n)
@@ -251,22 +275,22 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # optimizer: a fused AdamW over the fp32 master of the parameters held (costmodel/optimizer.py:
     # read master, gradient and two moments, write three: 28 bytes a parameter)
     z = lambda stage, n: group(n) if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
-    opt_params = dense_params / z(1, dp) + expert_params / z(1, dp // st.ep)
+    opt_params = dense_params / z(1, sdp) + expert_params / z(1, sdp // st.ep)
     optimizer = update_time(4.0 * opt_params, acc.hbm_bw)
 
     tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else st.dp_exposed)
-    step = compute + tp_share * tp_comm + ep_comm + bubble + dp_exposed + optimizer
+    step = compute + tp_share * tp_comm + ep_comm + cp_exposed + bubble + dp_exposed + optimizer
 
     # memory per GPU
-    weights = 2.0 * (dense_params / z(3, dp) + expert_params / z(3, dp // st.ep))
-    grads = gbytes * (dense_params / z(2, dp) + expert_params / z(2, dp // st.ep))
+    weights = 2.0 * (dense_params / z(3, sdp) + expert_params / z(3, sdp // st.ep))
+    grads = gbytes * (dense_params / z(2, sdp) + expert_params / z(2, sdp // st.ep))
     optim = 12.0 * opt_params
-    per_layer_act = model.layer_activation_bytes(seq, b, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
+    per_layer_act = model.layer_activation_bytes(lseq, b, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
     in_flight = min(st.pp, m) if st.pp > 1 else 1
     activations = per_layer_act * layers_here * in_flight
     if layer_rerun:  # one layer's working set is rebuilt at a time
-        activations += model.layer_activation_bytes(seq, b, st.tp, st.sp, "none", st.fused_attention, st.capacity)
-    logits = 4.0 * seq * b * model.vocab / st.tp if st.pp == 1 else 0.0
+        activations += model.layer_activation_bytes(lseq, b, st.tp, st.sp, "none", st.fused_attention, st.capacity)
+    logits = 4.0 * lseq * b * model.vocab / st.tp if st.pp == 1 else 0.0
     activations += logits
     total = weights + grads + optim + activations
     mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": activations, "total": total}
@@ -285,8 +309,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
         f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
-        f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(dp)}"
-        + (f", then all-reduce of 1/{group(dp)} of it over the {dp // group(dp)} groups" if group(dp) < dp else "")
+        f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
+        + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")
         + f") = {g(dp_comm)} s, exposed max({st.dp_exposed:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s",
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
@@ -295,6 +319,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"memory = 2·N' weights + {gbytes:g}·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
         f"= {g(total)} B",
     ]
+    if st.cp > 1:
+        formulas.insert(4, f"context parallel = {4 if layer_rerun else 3} collectives of the keys and values x "
+                           f"{layers_here} layers x {m} micro-batches over {st.cp} ranks = {g(cp_comm)} s, exposed "
+                           f"what outlasts the attention's products = {g(cp_exposed)} s")
     if st.ep > 1:
         formulas.insert(4, f"expert parallel = {a2a_per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
                            f"{st.ep} ranks = {g(ep_comm)} s")
@@ -304,7 +332,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                     pp_bubble_s=bubble, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
                     tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
-                    fits=total <= acc.hbm_bytes, formulas=formulas)
+                    fits=total <= acc.hbm_bytes, formulas=formulas, cp_comm_s=cp_comm, cp_exposed_s=cp_exposed)
 
 
 def _activation_formula(model: ModelSpec, st: Strategy) -> str:

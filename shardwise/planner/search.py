@@ -14,6 +14,7 @@ are dropped; the rest are ranked by predicted step time.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 from .clusters import ClusterSpec, cluster
@@ -38,8 +39,9 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def layouts(m: ModelSpec, c: ClusterSpec, base: Strategy, max_pp: int = 64, space: dict | None = None):
     """Every strategy of the search space (module docstring) on ``c``, ``base``'s other fields kept;
-    ``space`` ({axis: values}: tp, pp, virtual, micro_batch, zero, ep, recompute) narrows an axis to
-    the values it lists (what the system a layout is for can run)."""
+    ``space`` ({axis: values}: tp, pp, virtual, micro_batch, zero, ep, cp, recompute) narrows an axis
+    to the values it lists (what the system a layout is for can run); context parallelism is weighed
+    only where it lists cp values."""
     space = space or {}
 
     def only(axis, values):
@@ -56,32 +58,33 @@ def layouts(m: ModelSpec, c: ClusterSpec, base: Strategy, max_pp: int = 64, spac
         for pp in pps:
             if gpus % (tp * pp):
                 continue
-            dp = gpus // (tp * pp)
-            if gb % dp:
-                continue
-            per_rank = gb // dp
-            eps = only("ep", [e for e in _divisors(dp, m.experts) if m.experts % e == 0] if m.experts > 1 else [1])
-            for virtual in only("virtual", VIRTUAL if pp > 1 else (1,)):
-                if m.layers < pp * virtual or (virtual > 1 and m.layers % (pp * virtual)):
-                    continue
-                for mb in only("micro_batch", MICRO_BATCHES):
-                    if per_rank % mb:
-                        continue
-                    for zero in only("zero", (0, 1, 2, 3)):
-                        shards = [None] + ([c.per_node] if zero and c.rings and dp > c.per_node
-                                           and dp % c.per_node == 0 else [])
-                        for shard in shards:
-                            for ep in eps:
-                                for rc in only("recompute", RECOMPUTE):
-                                    yield dataclasses.replace(
-                                        base, tp=tp, pp=pp, virtual=virtual, micro_batch=mb, zero=zero, shard=shard,
-                                        ep=ep, recompute=rc, sp=tp > 1)
+            for cp in only("cp", _powers(64)) if "cp" in space else [1]:  # cp only where the space asks
+                yield from _rest(m, c, base, gpus, tp, pp, cp, gb, only)
+
+
+def _rest(m, c, base, gpus, tp, pp, cp, gb, only):
+    """The layouts of one (tp, pp, cp): every virtual stages, micro-batch, ZeRO, shard, ep, recompute."""
+    if gpus % (tp * pp * cp):
+        return
+    dp = gpus // (tp * pp * cp)
+    if gb % dp:
+        return
+    per_rank = gb // dp
+    eps = only("ep", [e for e in _divisors(dp, m.experts) if m.experts % e == 0] if m.experts > 1 else [1])
+    virtuals = [v for v in only("virtual", VIRTUAL if pp > 1 else (1,))
+                if m.layers >= pp * v and (v == 1 or m.layers % (pp * v) == 0)]
+    mbs = [mb for mb in only("micro_batch", MICRO_BATCHES) if per_rank % mb == 0]
+    for virtual, mb, zero in itertools.product(virtuals, mbs, only("zero", (0, 1, 2, 3))):
+        shards = [None] + ([c.per_node] if zero and c.rings and dp > c.per_node and dp % c.per_node == 0 else [])
+        for shard, ep, rc in itertools.product(shards, eps, only("recompute", RECOMPUTE)):
+            yield dataclasses.replace(base, tp=tp, pp=pp, virtual=virtual, micro_batch=mb, zero=zero, shard=shard,
+                                      ep=ep, recompute=rc, sp=tp > 1, cp=cp)
 
 
 def runs_on_shardwise(st: Strategy) -> str | None:
     """The ``shardwise train`` flags that run ``st`` today, or None where it needs what shardwise does
-    not build yet (pipelines, hybrid sharding, recomputation policies other than none)."""
-    if st.pp > 1 or st.shard is not None or st.recompute != "none":
+    not build yet (pipelines, hybrid sharding, context parallelism, recomputation other than none)."""
+    if st.pp > 1 or st.shard is not None or st.recompute != "none" or st.cp > 1:
         return None
     flags = [f"--strategy {'ddp' if st.zero == 0 else f'zero{st.zero}'}"]
     if st.tp > 1:
@@ -148,4 +151,5 @@ def describe(st: Strategy) -> str:
     return (f"tp={st.tp}{' sp' if st.sp and st.tp > 1 else ''} pp={st.pp}"
             + (f" v={st.virtual}" if st.virtual > 1 else "") + f" zero{st.zero}"
             + (f" shard={st.shard}" if st.shard else "") + (f" ep={st.ep}" if st.ep > 1 else "")
+            + (f" cp={st.cp}" if st.cp > 1 else "")
             + f" mb={st.micro_batch} recompute={st.recompute}")
