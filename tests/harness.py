@@ -1109,9 +1109,15 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
     nodes = list(prog.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     products = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
-    under = [sum(n.target in products for n in nodes[pos[s] + 1 : pos[next(iter(s.users))]])
-             for s in prog.collective_nodes() if collective_of(s).kind == "all_to_all" and collective_of(s).phase == "fwd"]
+    def under_of(s):  # the matrix products run while ``s`` is in flight
+        return sum(n.target in products for n in nodes[pos[s] + 1 : pos[next(iter(s.users))]])
+
+    under = [under_of(s) for s in prog.collective_nodes()
+             if collective_of(s).kind == "all_to_all" and collective_of(s).phase == "fwd"]
+    gathers_under = [under_of(s) for s in prog.collective_nodes() if collective_of(s).axis == "ep"
+                     and collective_of(s).kind == "all_gather" and collective_of(s).params]
     info = {"phases": Counter((c.axis, c.kind, c.phase) for c in cs), "products_under_all_to_all": under,
+            "products_under_ep_gathers": gathers_under,
             "ep_params": Counter((c.kind, c.phase, c.param) for c in cs if c.axis == "ep" and c.params),
             "moe_params": sorted(p for layer in prog.capture.moe_layers for p in layer["params"]),
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),

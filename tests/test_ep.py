@@ -77,6 +77,10 @@ def test_one_dispatch_and_one_combine_all_to_all_per_moe_layer_and_no_expert_gat
     assert {n for n in shared if n.endswith(("wq.weight", "wo.weight", "head.weight"))} <= again <= set(shared)
     assert all(info["shapes"][n][0] * 2 == harness.make_model("moe", "fp64").get_parameter(n).shape[0] for n in shared)
     assert info["phases"][("dp", "all_gather", "fwd")] > 0
+    # the gather over ep, which reads zero3's gather over dp, is prefetched too: products run while
+    # most of them are in flight (one collective at a time on gloo)
+    under = info["products_under_ep_gathers"]
+    assert len(under) == 33 and sum(n > 0 for n in under) >= 20, under
     _, _, info = pools(4).run(harness.ep_run, "ddp", 1, 2)[0]
     assert {k: v for k, v in info["phases"].items() if k[0] == "ep" and k[1] != "all_to_all"} == {("ep", "all_reduce", "bwd"): 2}
 

@@ -34,19 +34,26 @@ def payload(start: fx.Node) -> int:
     return v.numel() * v.dtype.itemsize
 
 
-def feed_chain(start: fx.Node) -> list[fx.Node] | None:
-    """The nodes between a shard placeholder and an all-gather start, if it depends on nothing else
-    (a gather fed by another collective, the second of a two-axis gather, starts where it stands)."""
-    chain, stack = [], [start.args[0]]
+def feed_chain(start: fx.Node, prefetched: set | frozenset = frozenset()) -> list[fx.Node] | None:
+    """The nodes between a shard placeholder and an all-gather start, if it depends on nothing else;
+    or on the wait of a gather in ``prefetched`` (the second of a two-axis gather: zero3's gather over
+    dp, then ep's), the wait then a link of the chain."""
+    chain, stack, shared, waited = [], [start.args[0]], False, False
     while stack:
         n = stack.pop()
-        if n.op == "placeholder":
+        if n.op == "placeholder" or n in chain:
             continue
-        if n.op != "call_function" or len(n.users) != 1 or n.target is WAIT or n.target in emit.COLLECTIVE_TARGETS:
+        if n.op != "call_function" or n.target in emit.COLLECTIVE_TARGETS:
             return None
+        shared |= len(n.users) != 1  # a bucket's gathered buffer, which several parameters' views read
         chain.append(n)
+        if n.target is WAIT:
+            if n.args[0] not in prefetched:
+                return None
+            waited = True
+            continue
         stack.extend(n.all_input_nodes)
-    return list(reversed(chain))
+    return list(reversed(chain)) if waited or not shared else None
 
 
 def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None) -> dict:
@@ -65,9 +72,10 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
     for s in starts:
         if collective_of(s).kind != "all_gather":
             continue
-        chain = feed_chain(s)
+        chain = feed_chain(s, {p for _, p in prefetch})
         if chain is None:
             continue
+        chain.sort(key=pos.__getitem__)  # in graph order: a topological one, where chains branch
         prefetch.append((chain, s))
         movable.update(chain)
         movable.add(s)
@@ -78,6 +86,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
     placed: set[fx.Node] = set()
     in_flight: deque[fx.Node] = deque()  # started, not yet waited for, oldest first
     flight = 0
+    fresh: set[fx.Node] = set()  # gathers started since the last node of compute was placed
 
     def full(nbytes: int) -> bool:
         """No room to start a collective of ``nbytes`` now."""
@@ -107,8 +116,14 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
         while in_flight and full(payload(s)):
             wait_for(in_flight[0])
         for c in chain:
-            place(c)
+            if c in placed:  # shared with a chain started before
+                continue
+            if c.target is not WAIT:
+                place(c)
+            else:  # the first gather of a two-axis one
+                wait_for(start_of[c])
         place(s)
+        fresh.add(s)
         in_flight.append(s)
         flight += payload(s)
 
@@ -117,6 +132,11 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
         while pending:
             chain, s = pending[0]
             must = until is not None and pos[s] <= pos[until]
+            first = [start_of[c] for c in chain if c.target is WAIT and c not in placed]
+            if not must and any(f in fresh for f in first):
+                return  # its first gather only just started: let it run under some compute
+            if not must and first and in_flight and in_flight[0] is first[0] and full(payload(s)):
+                wait_for(first[0])  # the slot its own first gather holds, long enough in flight
             if not must and full(payload(s)):
                 return
             pending.popleft()
@@ -124,11 +144,29 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
             if until is s:
                 until = None
 
+    def ensure(a: fx.Node) -> None:
+        """A chain's node that another reader needs first (a bucket's buffer, which a parameter whose
+        gather is not in the chains also reads): placed now, with what it needs."""
+        if a in placed:
+            return
+        if a.target is WAIT:
+            if start_of[a] not in placed:
+                issue_prefetch(until=start_of[a])
+            if a not in placed:
+                wait_for(start_of[a])
+            return
+        for b in a.all_input_nodes:
+            ensure(b)
+        place(a)
+
     for n in nodes:
         if n in movable or n.op == "output":
             continue
         if n.op == "call_function" and n.target is WAIT:
             continue  # placed on demand, below
+        for a in n.all_input_nodes:
+            if a in movable and a not in start_of.values() and a.target not in emit.COLLECTIVE_TARGETS:
+                ensure(a)
         for a in n.all_input_nodes:
             if a in start_of and a not in placed:
                 s = start_of[a]
@@ -143,6 +181,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
             flight += payload(n)
         else:
             place(n)
+            fresh.clear()
         if n.op != "placeholder":
             issue_prefetch()
     issue_prefetch(until=prefetch[-1][1] if prefetch else None)
