@@ -4,7 +4,8 @@ A list scheduler over the program's node order, in the spirit of XLA's latency-h
 
 - all-gathers (with the cast/copy chain that feeds them from a shard placeholder) are *prefetched*:
   issued, in their original order, as early as the in-flight cap allows — across the
-  forward/backward boundary too;
+  forward/backward boundary too; the second gather of a two-axis one (ep's after zero3's dp gather)
+  follows its first, which it lets run under some compute before waiting it;
 - reduce-scatters and all-reduces start where their input is produced (the strategy pass put them
   there);
 - every wait moves down to just before the first node that reads its result, unless the cap forces
