@@ -250,9 +250,9 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
     # the inputs' local values (this rank's experts; the shared ones' placeholders are already), and
     # every value traced again on them
     emit.retrace(gm, lambda ph, shape: [shape[0] // ranks, *shape[1:]] if ph in experts else shape)
-    split = {**counts, **shared}
-    shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in split else s for n, s in zip(cap.param_names, cap.param_shapes)]
-    return dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers), {n: Shard(0) for n in split}
+    cut = {**counts, **shared}
+    shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in cut else s for n, s in zip(cap.param_names, cap.param_shapes)]
+    return dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers), {n: Shard(0) for n in cut}
 
 
 def _shard_shared(g: fx.Graph, params: dict, counts: dict, ranks: int, group: str, stage) -> dict:
