@@ -116,10 +116,8 @@ class MemoryPlan:
         return left, reserve
 
     def graph_room(self, tensors, shrink: float = 1.0) -> int | None:
-        """Bytes a step graph may use where nothing refuses it: the budget's (on CUDA without one, the
-        device's memory) less the state this rank holds between steps, scaled by ``shrink`` (the share
-        it will hold once a plan made with this graph cuts it), and less ``tensors``; 0 where nothing
-        is left, None where no limit is known (the CPU without a budget)."""
+        """Bytes a step graph may use: the budget (on CUDA without one, the device) less ``shrink`` of
+        the state held (the share a plan made with this graph leaves) and ``tensors``; None: no limit."""
         limit = self.budget if self.budget is not None else (
             budget_bytes(1.0, self.device) if self.device.type == "cuda" else None)
         if limit is None:

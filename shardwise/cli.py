@@ -192,8 +192,7 @@ def mesh_args(p) -> None:
                    help="expert-parallel ranks: the experts of every MoE layer split over them, tokens sent to their "
                         "experts by all-to-all (the ep ranks take batches of their own, as dp ranks do)")
     p.add_argument("--ep-split", type=int, default=1, metavar="N",
-                   help="with --ep: trace each micro-batch as N parts whose work is interleaved, one part's "
-                        "all-to-alls running under another's compute (each part dispatched alone)")
+                   help="with --ep: each micro-batch as N interleaved parts (one's all-to-alls under another's compute)")
     p.add_argument("--sp", action="store_true",
                    help="with --tp: sequence parallelism (the residual stream and norms in sequence shards)")
     p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
@@ -379,34 +378,26 @@ def _plan_parser(sub) -> None:
     p.add_argument("--efficiency", type=float, default=None,
                    help="achieved fraction of peak FLOP/s (default: the accelerator's fitted curve)")
     p.add_argument("--network", default=None, metavar="bw=GB/s[,latency=us][,leaf=N,oversub=K]",
-                   help="the fabric between nodes, per GPU, in place of the preset's (RoCE, Ethernet, a custom "
-                        "InfiniBand): e.g. bw=25,latency=10,leaf=16,oversub=2 for 16 nodes a leaf and 2:1 uplinks")
+                   help="the fabric between nodes per GPU, in place of the preset's (RoCE, Ethernet, leaf-spine)")
     p.add_argument("--rank-order", choices=["tp-pp-dp", "tp-ep-dp-pp"], default="tp-pp-dp",
-                   help="rank numbering, innermost first: Megatron-LM's tp-pp-dp (default), or Megatron-Core's "
-                        "tp-ep-dp-pp, which keeps expert groups next to tensor parallel (inside a node)")
-    p.add_argument("--reduce-fp32", action="store_true",
-                   help="gradients kept and reduced in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32)")
-    p.add_argument("--unfused-attention", action="store_true",
-                   help="attention without a flash kernel: the s x s scores kept for the backward (pre-2022 runs)")
-    p.add_argument("--dropout", choices=["on", "off"], default=None,
-                   help="dropout after attention and MLP, its masks kept (default: the model's)")
+                   help="rank numbering, innermost first: Megatron-LM's (default) or Megatron-Core's")
+    p.add_argument("--reduce-fp32", action="store_true", help="gradients kept and reduced in fp32")
+    p.add_argument("--unfused-attention", action="store_true", help="no flash kernel: the scores kept for the backward")
+    p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
     p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
-                   help="share of the tensor-parallel communication left exposed (0: fully overlapped, as "
-                        "Megatron's --tp-comm-overlap aims; default: all on GPUs, the dp share on TPUs)")
+                   help="share of tp communication exposed (0: overlapped; default: all on GPUs, the dp share on TPUs)")
     p.add_argument("--dp-exposed", type=float, default=0.1, metavar="SHARE",
-                   help="share of the data-parallel communication left exposed behind the backward (default 0.1)")
+                   help="share of dp communication exposed behind the backward (default 0.1)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--explain", action="store_true", help="print each term's formula with its numbers")
     p.add_argument("--sweep", default=None,
                    help="AXIS=V1,V2,... (cluster, model, tp, pp, zero, shard, micro-batch, global-batch, seq, recompute, "
                         "virtual): one estimate per value; or a built-in sweep: grad-sync, latency")
     p.add_argument("--png", default=None, help="with --sweep AXIS=...: write a plot there")
-    p.add_argument("--search", action="store_true",
-                   help="find the fastest layouts that fit (tp, pp, virtual stages, zero, hybrid shard, ep, micro-batch, "
-                        "recompute) for --global-batch on --cluster; prints the top few and which shardwise runs today")
+    p.add_argument("--search", action="store_true", help="the fastest layouts that fit --global-batch on --cluster, "
+                   "and which shardwise runs today")
     p.add_argument("--search-space", action="append", default=[], metavar="AXIS=V1,V2",
-                   help="with --search: keep an axis (tp, pp, virtual, micro-batch, zero, ep, recompute) to these values "
-                        "(what the system the layout is for can run); repeatable")
+                   help="with --search: keep an axis (tp, pp, virtual, micro-batch, zero, ep, cp, recompute) to these values")
     p.add_argument("--top", type=int, default=5, help="with --search: layouts to print (default 5)")
     p.add_argument("--validate", action="store_true",
                    help="print predictions against the published runs of the validation table (ignores the rest)")
@@ -525,15 +516,12 @@ def _plan_search(args, m, c, st) -> None:
     import json
 
     from shardwise.planner.search import describe, runs_on_shardwise, search, to_fit
+    from shardwise.planner.sweep import parse
 
-    space = {}
-    for spec in args.search_space:
-        key, _, vals = spec.partition("=")
-        key = key.replace("-", "_")
-        if key not in ("tp", "pp", "virtual", "micro_batch", "zero", "ep", "cp", "recompute") or not vals:
-            raise SystemExit(f"shardwise plan: --search-space {spec!r}: use AXIS=V1,V2 with AXIS one of tp, pp, virtual, "
-                             "micro-batch, zero, ep, cp, recompute")
-        space[key] = [v if key == "recompute" else int(v) for v in vals.split(",")]
+    space = dict(parse(spec) for spec in args.search_space)
+    if set(space) - {"tp", "pp", "virtual", "micro_batch", "zero", "ep", "cp", "recompute"}:
+        raise SystemExit(f"shardwise plan: --search-space {args.search_space}: an AXIS=V1,V2 of tp, pp, virtual, "
+                         "micro-batch, zero, ep, cp, recompute")
     top, info = search(m, c, st, top=args.top, space=space)
     rows = [{"layout": describe(f.strategy), "step_s": f.estimate.step_s, "mfu": f.estimate.mfu,
              "memory_gb": f.estimate.memory["total"] / 1e9, "tokens_per_s_per_gpu": f.estimate.tokens_per_s_per_gpu,
@@ -542,9 +530,7 @@ def _plan_search(args, m, c, st) -> None:
         print(json.dumps({"model": str(m), "cluster": str(c), "weighed": info["weighed"], "fit": info["fit"],
                           "seconds": info["seconds"], "top": rows}, indent=1))
         return
-    print(m)
-    print(c)
-    print(f"searched {info['weighed']} layouts of global batch {st.global_batch} in {info['seconds']:.1f} s; "
+    print(f"{m}\n{c}\nsearched {info['weighed']} layouts of global batch {st.global_batch} in {info['seconds']:.1f} s; "
           f"{info['fit']} fit in {c.accel.hbm_bytes / 1e9:.0f} GB per GPU")
     for i, r in enumerate(rows, 1):
         print(f"{i:2d}. {r['layout']:55s} step {r['step_s']:.3f} s  MFU {r['mfu']:.1%}  {r['memory_gb']:.1f} GB  "

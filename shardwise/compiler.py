@@ -268,10 +268,8 @@ class Compiler:
         return local, placements, gather
 
     def _traced_ep(self, batch, train: bool, tensors):
-        """(The ep-local step of a model with Hugging Face experts, traced through ``hf_forwards``, and
-        the expert placements). Its dispatch is the user's, or, left open, chosen with the first
-        program (``dispatch_choice``) by the room its graph has: the budget's graph share, or the GPU's
-        memory, less the state this rank will hold once its experts are cut to ``1/ep``."""
+        """(The ep-local step of Hugging Face experts traced through ``hf_forwards``, the placements); its
+        dispatch the user's or, left open, ``dispatch_choice``'s by the room the graph has."""
         from .passes import ep as ep_pass
 
         ep = self.ep

@@ -205,9 +205,8 @@ class JobConfig:
     else capacity at ``DEFAULT_CAPACITY`` (passes/ep.py ``dispatch_choice``; explain says which and
     why). The built-in MoE sets its own (``capacity_factor``)."""
     ep_split: int = 1
-    """Where the mesh has an ep axis: trace each micro-batch as this many equal parts (its rows), their
-    work interleaved so that one part's ep collectives run under the other's compute (passes/ep.py
-    ``interleave``); each part is dispatched alone (its own capacity), the loss their mean."""
+    """With an ep axis: each micro-batch traced as this many parts (rows), interleaved so one part's ep
+    collectives run under another's compute (passes/ep.py ``interleave``); each dispatched alone."""
     timeout: float | None = 100.0
     """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load
     or export is watched for a rank that raises, not for time). A rank that waits

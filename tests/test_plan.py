@@ -596,7 +596,7 @@ def test_a_custom_fabric_and_its_oversubscription(capsys):
     across = plan(*moe, fabric="bw=25,latency=10,leaf=4,oversub=4")["ep_comm_s"]
     assert 0 < flat == inside < across, (flat, inside, across)
     assert "spine (4:1 oversubscribed)" in str(make("dgx-h100:32", "bw=25,leaf=8,oversub=4"))
-    with pytest.raises(SystemExit, match="a leaf-spine fabric takes both"):
+    with pytest.raises(SystemExit, match="for a leaf-spine fabric, both leaf=NODES and oversub=FACTOR"):
         main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:4", "--network", "bw=25,leaf=2"])
 
 

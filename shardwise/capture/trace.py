@@ -204,10 +204,9 @@ def _traced(step, args, model: nn.Module) -> fx.GraphModule:
 
 @contextlib.contextmanager
 def _counts_of_fixed_size():
-    """``torch.bincount(x, minlength=n)`` of a 1-d tensor without weights as ``n`` counts (a
-    ``scatter_add`` into ``n`` zeros), while the step is traced: its output's size is ``n`` wherever
-    every value is below ``n`` (expert ids counted per expert, as Mixtral's load-balancing loss does in
-    transformers 5.17), and a value past it is an index error, not a longer result."""
+    """``torch.bincount(x, minlength=n)`` (1-d, no weights) as ``n`` counts by ``scatter_add`` while the
+    step is traced (Mixtral's load-balancing loss in transformers 5.17): a value past ``n`` is an index
+    error, not a longer result."""
     real = torch.bincount
 
     def bincount(x, weights=None, minlength=0):

@@ -334,13 +334,10 @@ def issue_early(g: fx.Graph) -> int:
 
 
 def interleave(g: fx.Graph, loss: fx.Node) -> None:
-    """The nodes of a step whose batch was split in parts (``capture_step(split=)``) put in an order
-    where each part's work between two ep collectives runs while the other part's collective is in
-    flight: sorted by how many ep collectives lie on their longest path from the inputs, then by
-    their traced order, the forward (the loss and what is traced before it) ahead of the backward. A valid order: a node's key is never below its inputs'. With ``issue_early`` each
-    collective starts as soon as its input is made and is waited where it is first read, so the
-    other part's attention (the shared expert, the router) fills the wait (DeepSpeed-MoE's and
-    MegaScale's split batch)."""
+    """A step traced on parts of its batch (``capture_step(split=)``) ordered so that one part's ep
+    collectives run under the other's compute (DeepSpeed-MoE's and MegaScale's split batch): nodes
+    sorted by the ep collectives on their longest path from the inputs, then traced order, forward
+    first (a valid order: no key is below its inputs')."""
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     fwd = set(nodes[: pos[loss] + 1])  # what the loss needs is traced before it
@@ -520,11 +517,9 @@ Transformer's training factor)."""
 
 
 def dispatch_choice(trace, cost, room: int | None) -> tuple[tuple, dict]:
-    """How Hugging Face experts take their pairs where the user left it open: dropless unless its
-    step's predicted graph peak (``cost.estimate``) is over ``room`` (the bytes the graph may use;
-    None: no limit known), else GShard's capacity rule at ``DEFAULT_CAPACITY``. ``trace(factor)``
-    traces the ep-local step (``factor`` None: dropless). Returns (the chosen trace's result, the
-    choice: both predictions where both were made, the room, the dispatch and why)."""
+    """Dropless unless its traced step's predicted graph peak is over ``room`` (None: no limit), else
+    the capacity rule at ``DEFAULT_CAPACITY``; ``trace(factor)`` traces (None: dropless). Returns (the
+    chosen trace, the choice: the predictions made, the room, the dispatch)."""
     dropless = trace(None)
     t, peak = cost.estimate(dropless[0].gm)
     choice = {"dropless_s": t, "dropless_peak": peak, "room": room}

@@ -115,20 +115,14 @@ def network(spec: str) -> dict:
     """``--network bw=25,latency=10,leaf=16,oversub=2``: the fabric between nodes, per GPU: bandwidth in
     GB/s, latency in µs (default 14), and, for a leaf-spine fabric, the nodes under one leaf and the
     oversubscription of its uplinks (traffic between leaves at ``bw / oversub``)."""
-    out = {}
-    for part in spec.split(","):
-        key, _, val = part.partition("=")
-        try:
-            out[key.strip()] = float(val)
-        except ValueError:
-            out[key.strip()] = None
-        if key.strip() not in ("bw", "latency", "leaf", "oversub") or out[key.strip()] is None or out[key.strip()] <= 0:
-            raise ValueError(f"--network {spec!r}: give bw=GB/s per GPU, and optionally latency=µs, leaf=NODES and "
-                             "oversub=FACTOR (each a positive number), e.g. bw=25,latency=10,leaf=16,oversub=2")
-    if "bw" not in out:
-        raise ValueError(f"--network {spec!r}: bw=GB/s per GPU is required")
-    if ("leaf" in out) != ("oversub" in out):
-        raise ValueError(f"--network {spec!r}: a leaf-spine fabric takes both leaf=NODES and oversub=FACTOR")
+    out = {k.strip(): v for k, _, v in (p.partition("=") for p in spec.split(","))}
+    try:
+        out = {k: float(v) for k, v in out.items() if k in ("bw", "latency", "leaf", "oversub") and float(v) > 0}
+    except ValueError:
+        out = {}
+    if "bw" not in out or len(out) < spec.count(",") + 1 or ("leaf" in out) != ("oversub" in out):
+        raise ValueError(f"--network {spec!r}: give bw=GB/s per GPU, and optionally latency=µs and, for a leaf-spine "
+                         "fabric, both leaf=NODES and oversub=FACTOR (positive numbers), e.g. bw=25,leaf=16,oversub=2")
     return out
 
 

@@ -65,10 +65,8 @@ class Strategy:
     virtual: int = 1
     """Interleaved pipeline stages per GPU."""
     cp: int = 1
-    """Context parallelism: each sequence cut over ``cp`` ranks (adjacent after tensor parallel), the
-    attention's keys and values passed around them (ring attention: gathered in the forward,
-    gathered and their gradients reduce-scattered in the backward), overlapped with the attention's
-    own products; the parameters replicated over cp, their gradients reduced over dp x cp."""
+    """Context parallelism: each sequence cut over ``cp`` ranks next to tp, keys and values passed
+    around them under the attention's products (ring attention); gradients reduced over dp x cp."""
     ep: int = 1
     """Expert parallelism (MoE): each expert lives on one of ``ep`` data-parallel ranks; tokens reach
     it by an all-to-all, there and back."""
@@ -95,14 +93,11 @@ class Strategy:
     one group of every data-parallel rank."""
 
     reduce_fp32: bool = False
-    """Gradients kept and reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``, FSDP's
-    ``reduce_dtype=float32``): 4 bytes a parameter for the gradients held and for their reduction,
-    the weights still gathered in 16-bit."""
+    """Gradients held and reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``); the
+    weights still gathered in 16-bit."""
     rank_order: str = "tp-pp-dp"
-    """How ranks are numbered, innermost axis first: ``tp-pp-dp`` (Megatron-LM's: tensor parallel in a
-    node, then pipeline stages, data parallel outermost, an ep group being ``tp·pp`` ranks apart) or
-    ``tp-ep-dp-pp`` (Megatron-Core's default: expert groups next to tensor parallel, then data parallel,
-    pipeline stages outermost), which keeps a small ep group inside a node."""
+    """Rank numbering, innermost first: Megatron-LM's ``tp-pp-dp`` (an ep group ``tp·pp`` ranks apart)
+    or Megatron-Core's ``tp-ep-dp-pp`` (ep next to tp, pipeline outermost)."""
 
     def __post_init__(self):
         if self.rank_order not in RANK_ORDERS:
@@ -226,9 +221,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         ep_apart = (st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp) * st.cp
         ep_comm = (a2a_per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, ep_apart))
 
-    # context parallel: per layer and micro-batch the whole sequence's keys and values (2 x 16-bit x
-    # b·s·kv) gathered in the forward, gathered again and their gradients reduce-scattered in the
-    # backward (and gathered once more where the layer is rerun), under the attention's products
+    # context parallel: per layer and micro-batch the sequence's keys and values gathered (fwd, bwd,
+    # a rerun) and their gradients reduce-scattered, under the attention's products
     cp_comm = cp_exposed = 0.0
     if st.cp > 1:
         kv_bytes = 4.0 * b * seq * model.kv_heads * model.head_dim / st.tp

@@ -172,11 +172,8 @@ MODELS = {
 }
 
 
-NON_GATED = {"gpt2", "gpt_bigcode", "gptj", "gpt_neox", "opt", "bloom", "falcon", "phi"}
-"""Hugging Face model types whose MLP is two matrices with an activation between (GELU/ReLU), not a
-gated (SwiGLU) three."""
-LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "opt"}
-"""Model types with a learned position embedding (the rest: rotary or ALiBi)."""
+NON_GATED = {"gpt2", "gpt_bigcode", "gptj", "gpt_neox", "opt", "bloom", "falcon", "phi"}  # a two-matrix MLP
+LEARNED_POSITIONS = {"gpt2", "gpt_bigcode", "opt"}  # the rest: rotary or ALiBi
 
 
 def _first(c: dict, *keys, default=None):

@@ -1,24 +1,21 @@
 """``shardwise plan --search``: the fastest layouts of a model on a cluster for a global batch, by the
 planner's estimate (estimate.py), and what would make a job fit where none does.
 
-The space: tensor parallel inside a node (powers of two up to the node's GPUs, or what a TPU slice's
-leading axes hold), pipeline stages that divide the layers (with 1, 2 or 4 interleaved stages per
-GPU), ZeRO 0-3 and, for ZeRO, hybrid sharding over one node's GPUs, expert parallelism over sizes
-that divide the experts and the data-parallel ranks, micro-batches of 1-8 sequences that divide
-each rank's share of the batch, and the recomputation policies; sequence parallelism with tensor
-parallelism. What the base strategy fixes besides (global batch, sequence, attention kernel, expert
-capacity, efficiency, exposed shares) is kept. Layouts that do not fit the accelerator's memory
-are dropped; the rest are ranked by predicted step time.
+The space: tp inside a node (powers of two), pipeline stages (divisors of the layers and powers of
+two) with 1-4 interleaved stages, ZeRO 0-3 and hybrid sharding over a node, ep, micro-batches of 1-8,
+every recompute policy, sp with tp; the base strategy's other fields kept. Layouts that do not fit
+are dropped, the rest ranked by predicted step.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
 
 from .clusters import ClusterSpec, cluster
-from .estimate import RECOMPUTE, Estimate, Strategy, estimate
+from .estimate import RECOMPUTE, Strategy, estimate
 from .models import ModelSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -95,11 +92,7 @@ def runs_on_shardwise(st: Strategy) -> str | None:
     return " ".join(flags)
 
 
-@dataclasses.dataclass
-class Found:
-    strategy: Strategy
-    estimate: Estimate
-
+Found = collections.namedtuple("Found", "strategy estimate")
 
 def search(m: ModelSpec, c: ClusterSpec, base: Strategy, top: int = 5,
            space: dict | None = None) -> tuple[list[Found], dict]:
@@ -128,21 +121,12 @@ def to_fit(m: ModelSpec, spec: str, base: Strategy, most: int = 64, space: dict 
     (up to ``most`` times) on which one does, and the fastest layout that fits there. None where the
     cluster is not given by nodes or no multiple helps."""
     name, _, count = spec.partition(":")
-    if not count.isdigit():
-        return None
     k = 2
-    while k <= most:
+    while count.isdigit() and k <= most:
         bigger = f"{name}:{int(count) * k}"
-        cb, best = cluster(bigger, fabric), None
-        for st in layouts(m, cb, base, space=space):
-            try:
-                e = estimate(m, cb, st)
-            except ValueError:
-                continue
-            if e.fits and (best is None or e.step_s < best.estimate.step_s):
-                best = Found(st, e)
-        if best is not None:
-            return bigger, best
+        top, _ = search(m, cluster(bigger, fabric), base, top=1, space=space)
+        if top:
+            return bigger, top[0]
         k *= 2
     return None
 

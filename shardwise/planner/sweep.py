@@ -10,7 +10,7 @@ from .estimate import Strategy, estimate
 from .models import ModelSpec, model
 
 AXES = ("cluster", "model", "tp", "pp", "zero", "shard", "micro_batch", "global_batch", "seq", "recompute", "virtual",
-        "ep")
+        "ep", "cp")
 
 
 def parse(spec: str) -> tuple[str, list]:

@@ -363,23 +363,13 @@ class ParallelAxes:
     def _of(self, name: str) -> TensorParallel:
         return next((a for a in self.axes if a.sharded(name)), self.axes[0])
 
-    def dim(self, name: str) -> int | None:
-        return self._of(name).dim(name)
+    def __getattr__(self, attr: str):  # dim, local, piece, indices, gather: asked of the axis that cuts it
+        if attr not in ("dim", "local", "piece", "indices", "gather"):
+            raise AttributeError(attr)
+        return lambda name, *args: getattr(self._of(name), attr)(name, *args)
 
     def ranks_of(self, name: str) -> int:
         return self._of(name).ranks
-
-    def local(self, name, p):
-        return self._of(name).local(name, p)
-
-    def piece(self, name, whole):
-        return self._of(name).piece(name, whole)
-
-    def indices(self, name, size):
-        return self._of(name).indices(name, size)
-
-    def gather(self, name, local):
-        return self._of(name).gather(name, local)
 
     def sharded(self, name: str) -> bool:
         return any(a.sharded(name) for a in self.axes)

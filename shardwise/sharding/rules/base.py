@@ -29,10 +29,6 @@ def dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 
 
-def shard_dim(p) -> int | None:
-    return p.dim if isinstance(p, Shard) else None
-
-
 def tensors(node: fx.Node) -> list[fx.Node]:
     """The node's tensor inputs, in argument order (lists flattened)."""
     out = []
@@ -41,11 +37,6 @@ def tensors(node: fx.Node) -> list[fx.Node]:
             if isinstance(x, fx.Node) and val(x) is not None:
                 out.append(x)
     return out
-
-
-def all_to(node: fx.Node, p, place) -> dict:
-    """Every tensor input of ``node`` in placement ``p``."""
-    return {a: p for a in tensors(node)}
 
 
 def outputs_like(node: fx.Node, p):
