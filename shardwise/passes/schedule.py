@@ -166,7 +166,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
         if n.op == "call_function" and n.target is WAIT:
             continue  # placed on demand, below
         for a in n.all_input_nodes:
-            if a in movable and a not in start_of.values() and a.target not in emit.COLLECTIVE_TARGETS:
+            if a in movable and a.target not in emit.COLLECTIVE_TARGETS:  # a chain's node, not its start
                 ensure(a)
         for a in n.all_input_nodes:
             if a in start_of and a not in placed:
