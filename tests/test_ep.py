@@ -150,10 +150,17 @@ def test_a_split_batch_overlaps_one_halfs_all_to_alls_with_the_others_compute(po
     without it no matrix product runs while a forward all-to-all is in flight (each layer's next
     product needs it); with it the other half's products do, under most of them. Same numbers as
     one device (no drops: each half's capacity holds all its pairs)."""
-    plain = _parity(pools, strategy, 2, 2)["products_under_all_to_all"]
-    split = _parity(pools, strategy, 2, 2, ep_split=2)["products_under_all_to_all"]
+    whole, halves = _parity(pools, strategy, 2, 2), _parity(pools, strategy, 2, 2, ep_split=2)
+    plain, split = whole["products_under_all_to_all"], halves["products_under_all_to_all"]
     assert len(plain) == 4 and not any(plain), plain
     assert len(split) == 8 and sum(n > 0 for n in split) >= 6, split
+
+    def moe_rows(info):  # explain's row per MoE layer: (name, forward bytes sent per rank)
+        return [(r[0], r[5]) for r in (ln.split() for ln in info["explain"].splitlines()) if r[:1] in (["blocks.0.ffn"],
+                                                                                                  ["blocks.1.ffn"])]
+
+    # one row per layer either way, its two halves' collectives sending what the whole batch's did
+    assert moe_rows(halves) == moe_rows(whole) and len(moe_rows(whole)) == 2, (moe_rows(whole), moe_rows(halves))
 
 
 def test_an_ep_x_tp_checkpoint_resumes_on_ep_x_tp_and_on_ep(pools, tmp_path):

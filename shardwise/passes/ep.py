@@ -220,7 +220,13 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
                               f"dim 0 is not an expert count ({sorted(set(counts.values()))})")
     fwd = forward_nodes(gm)
     region = set(slot) - set(entries)  # the values computed in it
-    layers = [_layer(x, region, params, ranks) for x in entries if x in fwd]
+    layers = []  # one per MoE layer: on a split batch each part's dispatch is its layer's too
+    for layer in (_layer(x, region, params, ranks) for x in entries if x in fwd):
+        same = next((m for m in layers if m["params"] == layer["params"]), None)
+        if same is None:
+            layers.append(layer)
+        else:
+            same["fwd_collectives"] += layer["fwd_collectives"]
     out = g.find_nodes(op="output")[0]
     for x in entries:
         users = [u for u in x.users if u in region]
@@ -608,7 +614,8 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, 
         by_module.setdefault(name.rpartition(".")[0], []).append(name)
     # dropless: tokens, ids, gates in and the outputs back; capacity: the slots there and back
     layers = [{"params": sorted(names), "experts": counts[names[0]], "ranks": ranks,
-               "capacity": None if capacity is None else f"x{capacity:g}", "fwd_collectives": 4 if capacity is None else 2}
+               "capacity": None if capacity is None else f"x{capacity:g}",
+               "fwd_collectives": (4 if capacity is None else 2) * split}
               for names in by_module.values()]
     shapes = [torch.Size(shared[n].local_shape) if n in shared else s for n, s in zip(cap.param_names, cap.param_shapes)]
     return (dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers),
