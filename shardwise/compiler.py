@@ -108,14 +108,14 @@ class ExpertParallelAxis:
     """The mesh's ep axis as the compiler partitions for it (passes/ep.py): its ranks, this rank's
     coordinate, its group and, once the first step is captured, each expert parameter's placement."""
 
-    def __init__(self, ranks: int, rank: int, group, plan=None, capacity: float | str | None = None):
+    def __init__(self, ranks: int, rank: int, group, plan=None, capacity: float | str | None = None, split: int = 1):
         self.ranks, self.rank, self.group, self.plan, self.capacity = ranks, rank, group, plan, capacity
+        self.split = split
+        """Parts each micro-batch is traced as (``JobConfig.ep_split``)."""
         self.placements: dict | None = None
         self.factor: float | None = None if capacity in (None, "dropless") else capacity
         """Hugging Face experts' capacity factor (None: dropless), chosen with the first program where
         the user left it open (``capacity`` None: passes/ep.py ``dispatch_choice``)."""
-        self.split = 1
-        """Parts each micro-batch is traced as (``JobConfig.ep_split``)."""
         self.dispatch_choice: dict | None = None
         """That choice: both dispatches' predicted step and graph peak, the room the graph had, which won."""
 
@@ -133,9 +133,8 @@ def expert_parallel_axis(mesh, config: JobConfig) -> ExpertParallelAxis | None:
         if getattr(groups[name], name) not in (None, False):
             raise ValueError(f"{name} does not compose with expert parallelism yet (mesh ep={ranks}): leave it "
                              "off, or use a mesh of dp alone")
-    axis = ExpertParallelAxis(ranks, mesh.rank("ep"), mesh.group("ep"), config.ep_plan, config.ep_capacity_factor)
-    axis.split = config.ep_split
-    return axis
+    return ExpertParallelAxis(ranks, mesh.rank("ep"), mesh.group("ep"), config.ep_plan, config.ep_capacity_factor,
+                              config.ep_split)
 
 
 NOT_WITH_TP = ("offload_optimizer", "overlap_update")

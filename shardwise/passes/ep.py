@@ -248,17 +248,27 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
             back = _from_experts(g, n, ranks, group, "fwd" if n in fwd else "bwd", stage)
         for u in outside:
             u.replace_input_with(n, back)
-    shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
-    _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
-    if split > 1:
-        interleave(g, g.find_nodes(op="output")[0].args[0][0])
-    issue_early(g)
+    shared = _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared, split)
     # the inputs' local values (this rank's experts; the shared ones' placeholders are already), and
     # every value traced again on them
     emit.retrace(gm, lambda ph, shape: [shape[0] // ranks, *shape[1:]] if ph in experts else shape)
     cut = {**counts, **shared}
     shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in cut else s for n, s in zip(cap.param_names, cap.param_shapes)]
     return dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers), {n: Shard(0) for n in cut}
+
+
+def _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared: bool, split: int) -> dict:
+    """What every ep-local step ends with (``partition``'s and ``finish_traced``'s): under a ZeRO
+    strategy the other parameters cut over ep (``_shard_shared``), the gradients and the loss
+    averaged over ep, a split batch's parts interleaved, each ep collective started early. Returns
+    the other parameters cut over ep, with their layouts."""
+    shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
+    _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
+    g.eliminate_dead_code()
+    if split > 1:
+        interleave(g)
+    issue_early(g)
+    return shared
 
 
 def _shard_shared(g: fx.Graph, params: dict, counts: dict, ranks: int, group: str, stage) -> dict:
@@ -339,14 +349,15 @@ def issue_early(g: fx.Graph) -> int:
     return moved
 
 
-def interleave(g: fx.Graph, loss: fx.Node) -> None:
+def interleave(g: fx.Graph) -> None:
     """A step traced on parts of its batch (``capture_step(split=)``) ordered so that one part's ep
     collectives run under the other's compute (DeepSpeed-MoE's and MegaScale's split batch): nodes
     sorted by the ep collectives on their longest path from the inputs, then traced order, forward
     first (a valid order: no key is below its inputs')."""
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    fwd = set(nodes[: pos[loss] + 1])  # what the loss needs is traced before it
+    out = g.find_nodes(op="output")[0]
+    fwd = set(nodes[: pos[out.args[0][0]] + 1])  # the loss, and what it needs: traced before it
 
     def crosses(a: fx.Node) -> bool:  # the wait of a collective moving tokens over ep
         c = collective_of(a.args[0]) if a.target is emit.WAIT else None
@@ -355,7 +366,6 @@ def interleave(g: fx.Graph, loss: fx.Node) -> None:
     depth: dict[fx.Node, int] = {}
     for n in nodes:
         depth[n] = max((depth[a] + crosses(a) for a in n.all_input_nodes), default=0)
-    out = g.find_nodes(op="output")[0]
     for n in sorted((n for n in nodes if n.op not in ("placeholder", "output")),
                     key=lambda n: (n not in fwd, depth[n], pos[n])):
         out.prepend(n)
@@ -601,12 +611,7 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, 
         _staged(g, n, stage)
     phs = g.find_nodes(op="placeholder")
     params = dict(zip(phs[: cap.n_params], cap.param_names))
-    shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
-    _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
-    g.eliminate_dead_code()
-    if split > 1:
-        interleave(g, g.find_nodes(op="output")[0].args[0][0])
-    issue_early(g)
+    shared = _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared, split)
     g.lint()
     gm.recompile()
     by_module: dict[str, list[str]] = {}
