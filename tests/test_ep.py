@@ -113,17 +113,18 @@ def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_pat
         assert abs(loss - full[3]) <= 1e-12 * abs(full[3]) and harness.rel_param_err(sd, sd_full) <= 1e-12, (ep, strategy)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_expert_and_tensor_parallelism_together(pools, strategy):
+@pytest.mark.parametrize("strategy,split", [("ddp", 1), ("zero3", 1), ("zero3", 2)])
+def test_expert_and_tensor_parallelism_together(pools, strategy, split):
     """ep=2 x tp=2 (4 ranks): the attention cut over tp (Megatron's plan), the experts over ep, each tp
-    pair taking one batch; fp64 parity with one device averaging the two batches. The graph has the
-    MoE layers' all-to-alls on ep and the attention's all-reduces on tp."""
+    pair taking one batch (with ``split``, as two interleaved halves); fp64 parity with one device
+    averaging the two batches. The graph has the MoE layers' all-to-alls on ep (each half's) and the
+    attention's all-reduces on tp."""
     steps = 3
     ref, ref_sd = harness.reference("moe", "fp64", 2, steps, (("capacity_factor", 2.0),))
-    losses, sd, counts, explain = pools(4).run(harness.ep_tp_run, strategy, steps)[0]
+    losses, sd, counts, explain = pools(4).run(harness.ep_tp_run, strategy, steps, ep_split=split)[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-10, (losses, ref)
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
-    assert counts[("ep", "all_to_all", "fwd")] == 4 and counts[("ep", "all_to_all", "bwd")] == 4, counts
+    assert counts[("ep", "all_to_all", "fwd")] == 4 * split and counts[("ep", "all_to_all", "bwd")] == 4 * split, counts
     assert counts[("tp", "all_reduce", "fwd")] > 0, counts
     rows = {ln.split()[0]: ln.split() for ln in explain.splitlines() if ln.startswith("  blocks.0.")}
     assert "(2, 32, 32) " in explain and "tp R ep S(0)" in " ".join(rows["blocks.0.ffn.w1"]), rows

@@ -113,7 +113,7 @@ def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
 
 def network(spec: str) -> dict:
     """``--network bw=25,latency=10,leaf=16,oversub=2``: the fabric between nodes, per GPU: bandwidth in
-    GB/s, latency in µs (default 14), and, for a leaf-spine fabric, the nodes under one leaf and the
+    GB/s, latency in µs (default: InfiniBand's), and, for a leaf-spine fabric, the nodes under one leaf and the
     oversubscription of its uplinks (traffic between leaves at ``bw / oversub``)."""
     out = {k.strip(): v for k, _, v in (p.partition("=") for p in spec.split(","))}
     try:
@@ -152,7 +152,8 @@ def cluster(spec: str, fabric: str | None = None) -> ClusterSpec:
         if nodes == 1:
             raise ValueError(f"--network describes the fabric between nodes; {spec} is one node")
         f = network(fabric)
-        inter = Level(f"custom fabric {f['bw']:g} GB/s per GPU", f["bw"] * 1e9, f.get("latency", 14.0) * 1e-6)
+        alpha = f["latency"] * 1e-6 if "latency" in f else IB_NDR.alpha  # the cost model's, where not given
+        inter = Level(f"custom fabric {f['bw']:g} GB/s per GPU", f["bw"] * 1e9, alpha)
         leaf = int(f.get("leaf", nodes))
         if leaf < nodes:
             if nodes % leaf:
