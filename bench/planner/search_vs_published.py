@@ -7,10 +7,10 @@ from shardwise.planner import validation as V
 print("| run | published layout | predicted s | search's top (same framework) | predicted s | top / published |")
 print("| --- | --- | --- | --- | --- | --- |")
 for r in V.RUNS:
-    if r.strategy.zero == 0 and (r.strategy.pp > 1 or r.strategy.tp > 1) and (r.source == V.VTRAIN or "selective" in r.label):
+    if r.strategy.zero == 0 and (r.strategy.pp > 1 or r.strategy.tp > 1) and (r.source == "vtrain" or "selective" in r.label):
         c = cluster(r.cluster); st = r.strategy
         pub = estimate(r.model, c, st)
-        space = {"zero": [0], "recompute": [st.recompute]} | ({"virtual": [1]} if r.source == V.VTRAIN else {})
+        space = {"zero": [0], "recompute": [st.recompute]} | ({"virtual": [1]} if r.source == "vtrain" else {})
         top, _ = search(r.model, c, Strategy(global_batch=st.global_batch, seq=st.seq, fused_attention=st.fused_attention), space=space)
         b = top[0]
         print(f"| {r.label[:48]} | {describe(st)} | {pub.step_s:.2f} | {describe(b.strategy)} | {b.estimate.step_s:.2f} | {b.estimate.step_s / pub.step_s:.3f} |")
