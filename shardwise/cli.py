@@ -386,8 +386,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
     p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
                    help="share of tp communication exposed (0: overlapped; default: all on GPUs, the dp share on TPUs)")
-    p.add_argument("--dp-exposed", type=float, default=0.1, metavar="SHARE",
-                   help="share of dp communication exposed behind the backward (default 0.1)")
+    p.add_argument("--dp-exposed", type=float, default=None, metavar="SHARE",
+                   help="least share of dp communication exposed behind the backward (default 0.1; ZeRO-3 "
+                        "without a pipeline: what its per-layer timeline waits)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.add_argument("--explain", action="store_true", help="print each term's formula with its numbers")
     p.add_argument("--sweep", default=None,

@@ -46,7 +46,8 @@ class Timeline:
 def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
              comm_time: Callable[[fx.Node], float], free: Callable[[fx.Node], float] | None = None) -> Timeline:
     """Predicted step of ``gm`` under the two estimators (pluggable, so tests can use exact ones);
-    ``free``: the SM contention model (module docstring), None for none."""
+    ``free``: the SM contention model (module docstring), None for none. ``gm`` may also be the node
+    list itself (the planner's synthetic per-layer step: objects with an FX node's fields)."""
     t = 0.0  # compute lane
     comm_free = 0.0  # the link is busy until then
     ends: dict[fx.Node, float] = {}
@@ -83,7 +84,7 @@ def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
             if n is upto:
                 return
 
-    for n in gm.graph.nodes:
+    for n in gm.graph.nodes if hasattr(gm, "graph") else gm:
         if n.op != "call_function":
             continue
         if collective_of(n) is not None:  # a collective start, as the passes mark them

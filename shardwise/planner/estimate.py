@@ -17,8 +17,10 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 - pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute;
 - data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the
   updated shards; zero 3 adds the forward and backward all-gathers), overlapped with the backward
-  (zero 3: the whole step; with a pipeline, the last micro-batch's backward) but for the last
-  bucket's share (``dp_exposed``), and all of what outlasts that compute;
+  (with a pipeline, the last micro-batch's backward) but for the last bucket's share
+  (``dp_exposed``), and all of what outlasts that compute; ZeRO-3 without a pipeline layer by layer
+  on the two-lane simulation instead (timeline.py: each layer's gathers and reduction, one layer of
+  prefetch, what the compute lane waits);
 - optimizer: memory-bound AdamW over this GPU's shard.
 
 Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 bytes per parameter,
@@ -37,10 +39,13 @@ from dataclasses import asdict, dataclass, field
 from ..costmodel.optimizer import update_time
 from .clusters import ClusterSpec
 from .models import ModelSpec
+from .timeline import LayerCosts, zero3_step
 
 
 RECOMPUTE = ("none", "selective", "selective-op", "block", "full")
 RANK_ORDERS = ("tp-pp-dp", "tp-ep-dp-pp")
+DP_EXPOSED = 0.1
+"""The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,10 @@ class Strategy:
     efficiency: float | None = None
     """Achieved fraction of peak FLOP/s of the compute; None: the accelerator's fitted curve of the
     per-GPU matrix width (costmodel.Device.efficiency)."""
-    dp_exposed: float = 0.1
-    """Share of the data-parallel communication not hidden behind the backward."""
+    dp_exposed: float | None = None
+    """Share of the data-parallel communication not hidden behind the backward, at least; None: 0.1
+    (the last bucket's) in the closed form, and under ZeRO-3 without a pipeline what the per-layer
+    timeline waits (timeline.py)."""
     tp_exposed: float | None = None
     """Share of the tensor-parallel communication not hidden; None: all of it on GPU clusters
     (Megatron's default), ``dp_exposed``'s share on TPUs, where XLA overlaps it with the matrix
@@ -230,7 +237,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         cp_comm = (4 if layer_rerun else 3) * layers_here * m * cluster.collective_s("all_gather", kv_bytes, st.cp,
                                                                                        cp_apart)
         attn_s = matmul * 12.0 * L * model.q_dim * (min(seq, model.window) if model.window else seq) / (fpt + extra + pad)
-        cp_exposed = max(st.dp_exposed * cp_comm, cp_comm - attn_s)
+        cp_exposed = max(DP_EXPOSED * cp_comm, cp_comm - attn_s)
 
     # pipeline bubble (1F1B, interleaved by `virtual`)
     bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
@@ -264,7 +271,23 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # where the stage's gradients become ready); what does not fit there is exposed
     window = (compute / m if st.pp > 1 else compute) * (
         1.0 if st.zero == 3 and st.pp == 1 else (0.75 if layer_rerun else 2 / 3))
-    dp_exposed = max(st.dp_exposed * dp_comm, dp_comm - window)
+    floor = DP_EXPOSED if st.dp_exposed is None else st.dp_exposed
+    dp_exposed = max(floor * dp_comm, dp_comm - window)
+    tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else DP_EXPOSED)
+    stalls = tp_share * tp_comm + ep_comm + cp_exposed  # the compute lane's own waits, inside its layers
+    dp_formula = ""
+    g = lambda x: f"{x:.4g}"  # noqa: E731
+    if st.zero == 3 and st.pp == 1:  # per layer and micro-batch on the two-lane simulation
+        costs = _layer_costs(model, cluster, st, compute / m, stalls / m, (fpt + extra + pad), dense_params,
+                             expert_params, gbytes, group, sdp, inner)
+        _, waited, dp_comm = zero3_step(costs, m)
+        dp_exposed = max(waited, (st.dp_exposed or 0.0) * dp_comm)
+        dp_formula = (f"data parallel, per layer and micro-batch on the two-lane timeline (its weights gathered "
+                      f"for the forward and again for the backward, one layer ahead; its gradients reduce-scattered "
+                      f"after its backward): {costs.layers} layers x {m} micro-batches x (2 x {costs.gather_s * 1e3:.3g} "
+                      f"+ {costs.reduce_s * 1e3:.3g}) ms against {costs.fwd_s * 1e3:.3g} ms forward and "
+                      f"{costs.bwd_s * 1e3:.3g} ms backward a layer = {g(dp_comm)} s on the link, "
+                      f"exposed (the compute lane's waits and the last reductions) {g(dp_exposed)} s")
 
     # optimizer: a fused AdamW over the fp32 master of the parameters held (costmodel/optimizer.py:
     # read master, gradient and two moments, write three: 28 bytes a parameter)
@@ -272,8 +295,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     opt_params = dense_params / z(1, sdp) + expert_params / z(1, sdp // st.ep)
     optimizer = update_time(4.0 * opt_params, acc.hbm_bw)
 
-    tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else st.dp_exposed)
-    step = compute + tp_share * tp_comm + ep_comm + cp_exposed + bubble + dp_exposed + optimizer
+    step = compute + stalls + bubble + dp_exposed + optimizer
 
     # memory per GPU
     weights = 2.0 * (dense_params / z(3, sdp) + expert_params / z(3, sdp // st.ep))
@@ -290,7 +312,6 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": activations, "total": total}
 
     tps = tokens / step
-    g = lambda x: f"{x:.4g}"  # noqa: E731
     formulas = [
         f"flops/token = 6·(active matmul weights) + 12·L·d·T = {g(fpt)} (+ recompute {st.recompute}: {g(extra)})",
         "efficiency = " + ("given" if st.efficiency is not None else "the accelerator's fitted share" if not acc.eff_x0
@@ -302,10 +323,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
-        f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
+        dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
         + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")
-        + f") = {g(dp_comm)} s, exposed max({st.dp_exposed:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s",
+        + f") = {g(dp_comm)} s, exposed max({floor:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s"),
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
@@ -327,6 +348,33 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                     tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
                     fits=total <= acc.hbm_bytes, formulas=formulas, cp_comm_s=cp_comm, cp_exposed_s=cp_exposed)
+
+
+def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: float, stall_s: float, flops: float,
+                 dense: float, expert: float, gbytes: float, group, sdp: int, inner: int) -> LayerCosts:
+    """One micro-batch's pieces for timeline.zero3_step: its compute (``mb_s``; ``flops`` per token,
+    recomputation included) split into the head's share and the layers', each layer's forward a third
+    of its own products; each layer's collectives over the groups that hold its parts."""
+    L, h = model.layers, model.hidden
+    head_flops = 6.0 * model.vocab * h
+    head_s = mb_s * head_flops / flops
+    layer_s = (mb_s - head_s + stall_s) / L
+    fwd = layer_s * (model.flops_per_token(st.seq) - head_flops) / 3 / (flops - head_flops)
+    root = (model.embedding_params() + model.head_params() + h * (2 if model.bias else 1)) / st.tp
+
+    def gather(params, n, stride):
+        return cluster.collective_s("all_gather", 2.0 * params, group(n), stride) if params else 0.0
+
+    def scatter(params, n, stride):
+        s = group(n)
+        rs = cluster.collective_s("reduce_scatter", gbytes * params, s, stride) if params else 0.0
+        return rs + (cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s) if n > s else 0.0)
+
+    ep_group = (sdp // st.ep, inner * st.ep)
+    return LayerCosts(L, fwd, layer_s - fwd, head_s,
+                      gather((dense - root) / L, sdp, inner) + gather(expert / L, *ep_group),
+                      scatter((dense - root) / L, sdp, inner) + scatter(expert / L, *ep_group),
+                      gather(root, sdp, inner), scatter(root, sdp, inner))
 
 
 def _activation_formula(model: ModelSpec, st: Strategy) -> str:
