@@ -6,7 +6,9 @@ InfiniBand between nodes, one level per TPU torus axis). A collective of ``kind`
 
 - latency: each spanned level's ``f·(n_d − 1)`` algorithm steps at its per-step ``alpha``, plus the
   largest per-call ``overhead`` of a spanned level (launch and host dispatch, which ``calibrate``
-  measures as one figure per call);
+  measures as one figure per call). A GPU cluster's all-gather or reduce-scatter is one ring through
+  the whole group (NCCL's tuner: ``p − 1`` steps, ``nodes − 1`` of them over the network), so each
+  level's ``n_d − 1`` hops repeat once per group of the levels above it;
 - bandwidth: ``bus_factor(kind, n) · S / busbw`` on one level. Across levels, GPU clusters
   (``rings``) run NCCL's rings through the whole group at the slowest level's bus bandwidth, a
   network level counting every NIC of the node; TPU tori (and slices over the data-center network)
@@ -149,11 +151,13 @@ class Topology:
         s = float(nbytes)
         levels = self.levels(group, inner)
         below, slowest, call = 1, float("inf"), 0.0
+        ring = self.rings and kind != "all_reduce"  # one ring through every rank (see the docstring)
         for n, lvl in levels:
+            above = group // (below * n) if ring else 1
             if n > 1:
-                lat += f * (n - 1) * _by_kind(lvl.alpha, kind)
+                lat += f * (n - 1) * above * _by_kind(lvl.alpha, kind)
                 bw += bus_factor(kind, n) * s / lvl.bw(kind)
-                steps += f * (n - 1)
+                steps += f * (n - 1) * above
                 slowest = min(slowest, lvl.bw(kind) * below)
                 call = max(call, _by_kind(lvl.overhead, kind))
             s /= n
