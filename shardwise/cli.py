@@ -353,7 +353,7 @@ def _plan_parser(sub) -> None:
     )
     p.add_argument("--model", help="preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
                    "gpt3-175b) or a Hugging Face config.json")
-    p.add_argument("--cluster", help="NODE:COUNT, e.g. dgx-h100:32 (nodes of 8 GPUs)")
+    p.add_argument("--cluster", help="NODE:COUNT, e.g. dgx-h100:32 (nodes of 8 GPUs); @WATTS caps power: dgx-h100:32@500W")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (inside a node)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage of the data-parallel axis")

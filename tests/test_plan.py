@@ -494,7 +494,8 @@ def test_validation_summary_counts():
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
     assert (len(rows), len(blind)) == (66, 61)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 48  # 51 before ZeRO-3's per-layer timeline
+    # 51 with the closed form's ZeRO-3, 48 on its per-layer timeline, 50 with torchtitan's H100s at 500 W
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 50
 
 
 @pytest.mark.parametrize("size", ["22B", "175B", "530B"])
@@ -690,3 +691,22 @@ def test_zero3_runs_layer_by_layer_on_the_two_lane_timeline():
     assert "two-lane timeline" in "\n".join(est[8].formulas)
     assert "two-lane timeline" not in "\n".join(estimate(model("llama3-8b"), cluster("dgx-h100:1"),
                                                           Strategy(zero=2, seq=8192)).formulas)
+
+
+def test_a_power_capped_cluster_runs_its_products_slower_by_the_cube_root_of_the_power():
+    # torchtitan's H100s ran at a 500 W limit: clocks (and the products' rate) fall about as the cube
+    # root of the power (dynamic power ~ f·V², V ~ f); memory and links are untouched
+    m, st = model("llama3-8b"), Strategy(zero=3, micro_batch=2, seq=8192, recompute="selective-op")
+    full, capped = cluster("dgx-h100:16"), cluster("dgx-h100:16@500W")
+    assert capped.accel.eff_max == pytest.approx(full.accel.eff_max * (500 / 700) ** (1 / 3))
+    assert capped.gpus == 128 and capped.dims == full.dims and "at 500 W" in str(capped)
+    a, b = estimate(m, full, st), estimate(m, capped, st)
+    assert b.step_s > a.step_s and b.optimizer_s == a.optimizer_s and b.memory == a.memory
+    # torchtitan's compiled rows come within 10% so (they were 14-16% fast at full power)
+    from shardwise.planner.validation import table
+
+    titan = [r for r in table() if r["source"] == "torchtitan" and "compile" in r["run"]]
+    assert len(titan) == 2 and all(abs(r["error"]) <= 0.10 for r in titan), titan
+    for bad in ("dgx-h100:1@900W", "dgx-h100:1@lots", "tpu-v5e:16x16@100"):
+        with pytest.raises(ValueError, match="power cap"):
+            cluster(bad)

@@ -58,6 +58,8 @@ class Device:
     """The name the planner prints (e.g. "H200 SXM")."""
     match: tuple[str, ...] = ()
     """Substrings of ``torch.cuda.get_device_name`` (lower case) that mean this device."""
+    tdp: float | None = None
+    """Board power at which the fitted shares hold, watts (a power-capped part: planner clusters' ``@W``)."""
 
     def efficiency(self, width: float) -> float:
         return self.eff_max * width / (width + self.eff_x0)
@@ -71,12 +73,13 @@ def _datasheet(name, label, peak, hbm_bytes, hbm_bw, eff_max=0.683, **kw) -> Dev
 DEVICES = {
     # measured on this workplace's H200s (DESIGN.md reference figures): 790 TFLOP/s bf16 GEMM, 4.3 TB/s copy
     "h200": Device("h200", 790e12, 4.3e12, 989e12, 141e9, 4.8e12, eff_max=HOPPER_EFF_MAX, host=PCIE5,
-                   label="H200 SXM", match=("h200",)),
+                   label="H200 SXM", match=("h200",), tdp=700.0),
     # about 0.7 of the datasheet's 989 TFLOP/s, 3.35 TB/s
     "h100": Device("h100", 700e12, 3.0e12, 989e12, 80e9, 3.35e12, eff_max=HOPPER_EFF_MAX, label="H100 SXM",
-                   match=("h100",)),
+                   match=("h100",), tdp=700.0),
     "h100-pcie": _datasheet("h100-pcie", "H100 PCIe", 756e12, 80e9, 2.0e12, eff_max=HOPPER_EFF_MAX),
-    "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",)),
+    "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",),
+                   tdp=400.0),
     # TPUs (Cloud TPU documentation, jax-ml/scaling-book). v5p's share is fitted on one run: MaxText's 32B
     # model on v5p-128; v5e's on its 16B model on one v5e-256 with full remat, planned as per-layer
     # (block) recomputation (planner/validation.py); v4 and v6e use the A100's

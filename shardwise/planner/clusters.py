@@ -7,6 +7,7 @@ machine has and how many of each.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..costmodel.collectives import IB_HDR, IB_NDR, NO_LINK, NVLINK3, NVLINK4, PCIE5_HOST, PRESETS, Level, Topology
@@ -130,6 +131,16 @@ def cluster(spec: str, fabric: str | None = None) -> ClusterSpec:
     """``dgx-h100:32`` = 32 nodes of 8 H100s (a bare node name is one node); ``tpu-v5p:4x4x8`` a TPU slice;
     ``tpu-v5e:16x16*4`` four slices joined by the data-center network. ``fabric`` (``network``'s
     format) replaces the network between nodes: a custom fabric, RoCE or Ethernet, oversubscribed."""
+    if "@" in spec:  # a power cap: clocks fall as the cube root of the power (dynamic power ~ f·V², V ~ f)
+        base, _, watts = spec.partition("@")
+        c = cluster(base, fabric)
+        w = float(watts.rstrip("Ww")) if watts.rstrip("Ww").replace(".", "", 1).isdigit() else 0.0
+        if not c.accel.tdp or not 0 < w <= c.accel.tdp:
+            raise ValueError(f"cluster {spec!r}: a power cap is NAME:NODES@WATTS, at most the {c.accel.label}'s "
+                             f"{c.accel.tdp or 'unknown'} W")
+        capped = dataclasses.replace(c.accel, eff_max=c.accel.eff_max * (w / c.accel.tdp) ** (1 / 3),
+                                     label=f"{c.accel.label} at {w:g} W")
+        return ClusterSpec(spec, capped, dataclasses.replace(c.topology, name=spec))
     name, _, n = spec.partition(":")
     if fabric is not None and name in TPUS:
         raise ValueError(f"--network describes the fabric between GPU nodes; {name} slices are joined by ICI "
