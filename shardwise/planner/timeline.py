@@ -21,7 +21,7 @@ from ..sharding.ops import WAIT
 class _Node:
     """Just what the simulation reads of an FX node."""
 
-    __slots__ = ("op", "target", "args", "name", "meta")
+    __slots__ = ("args", "meta", "name", "op", "target")
 
     def __init__(self, name: str, seconds: float, target=None, args=(), collective: Collective | None = None):
         self.op, self.name, self.target, self.args = "call_function", name, target, args
