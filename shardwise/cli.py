@@ -419,12 +419,14 @@ def plan_main(args) -> None:
             markdown,
             memory_markdown,
             memory_table,
+            summary,
             table,
             vtrain_all,
             vtrain_summary,
         )
 
-        print(markdown(table()))
+        print(summary(rows := table()) + "\n")
+        print(markdown(rows))
         print()
         print(vtrain_summary(vtrain_all()))
         print()

@@ -210,6 +210,13 @@ def table(runs: list[Run] | None = None) -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict]) -> str:
+    """How the blind rows hold: within 10%, the median |error|, how many sources."""
+    blind = sorted(abs(r["error"]) for r in rows if not r["fitted"])
+    return (f"{len(rows)} runs from {len({r['source'] for r in rows})} sources, {len(blind)} blind: "
+            f"{sum(e <= 0.10 for e in blind)} within 10%, median |error| {100 * blind[len(blind) // 2]:.1f}%")
+
+
 def markdown(rows: list[dict]) -> str:
     return markdown_table(["run", "measured s/step", "predicted", "error", "fitted or blind", "source"],
                   [[r["run"], f"{r['measured_s']:.4g}", f"{r['predicted_s']:.4g}", f"{r['error']:+.1%}",
