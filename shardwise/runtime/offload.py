@@ -1,30 +1,24 @@
 """Optimizer state in host memory, streamed through the device for the update.
 
-The master shards and every per-parameter optimizer state (Adam's moments) live in host memory
-(pinned on CUDA). The optimizer step runs on the device, chunk by chunk: chunk i+1 is copied in on
-one stream while chunk i is updated (on the update stream, or the compute stream without overlap)
-and chunk i-1 is copied back on a third, so the PCIe link in both directions and the update overlap.
-With overlap (CUDA) the step returns before the update ends and the next step's graph waits for
-each parameter where it first reads it (passes/ready.py). Each chunk's update is the user's own
-torch optimizer: its parameters' ``.data`` and state tensors are pointed at the device copies for
-the call, then back at the host buffers. After an update the compute-dtype shard the step graph
-reads is refreshed on the device, so the next step needs no host copy.
+The master shards and per-parameter optimizer state live in host memory (pinned on CUDA). The step runs
+on the device chunk by chunk: chunk i+1 is copied in on one stream while chunk i is updated and chunk
+i-1 is copied back on a third, so both directions of the PCIe link and the update overlap. With overlap
+(CUDA) the step returns before the update ends; the next step's graph waits for each parameter where it
+first reads it (passes/ready.py). Each chunk's update is the user's own torch optimizer, its ``.data``
+and state pointed at the device copies for the call. The compute-dtype shard is refreshed on the device.
 
-A parameter bigger than a chunk is streamed in slices (for Adam and AdamW, whose update is
-elementwise and whose state is created as zeros: the state is made up front in host memory, and a
-sliced parameter's step count is advanced once per step, not once per slice), so the staging memory
-is ``window`` chunks whatever the largest parameter (a 128k-vocabulary embedding is 1.5 GB in fp32).
+A parameter bigger than a chunk is streamed in slices (Adam and AdamW: elementwise, state made up
+front as zeros, step count advanced once per step), so staging memory is ``window`` chunks whatever
+the largest parameter (a 128k-vocabulary embedding is 1.5 GB in fp32).
 
-Part of the offloaded state may be updated on the host instead (``set_host``, for Adam and AdamW):
-for those parameters only the gradient crosses the link down and the new compute-dtype weights come
-back up (4 bytes per element in bf16 instead of 24 of fp32 master and moments), and the host's
-cores run a fused AdamW on a worker thread while the device streams the rest. The cost model picks
-the split (``plan_host``: the larger of the link time and the host's measured update time, made
-as small as it gets). The worker takes the parameters in forward order and each one's weights are
-published as they arrive, so the next step's forward waits only for what it reads next.
+Part of the offloaded state may be updated on the host instead (``set_host``, Adam and AdamW): only the
+gradient goes down and the new compute-dtype weights come up (4 bytes per element in bf16 instead of
+24 of fp32 master and moments), while a fused AdamW runs on a worker thread. ``plan_host`` picks the
+split (the larger of link time and measured host update time, minimised). Each parameter's weights are
+published as they arrive, in forward order, so the next forward waits only for what it reads next.
 
-On CPU the "host" is a separate buffer pool and the copies are plain copies: the same code path
-runs (and is tested for parity) without streams.
+On CPU the "host" is a separate buffer pool and the copies are plain copies: the same code path runs
+(and is tested for parity) without streams.
 """
 
 from __future__ import annotations
@@ -113,8 +107,7 @@ class StreamedOptimizer:
                 if st:
                     continue
                 st["step"] = torch.tensor(0.0, dtype=scalar)
-                keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if g.get("amsgrad") else [])
-                for k in keys:
+                for k in ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if g.get("amsgrad") else []):
                     st[k] = self._to_host(p).zero_()
 
     def _chunked(self, names) -> list[list[tuple]]:
@@ -175,12 +168,9 @@ class StreamedOptimizer:
     # -- the host update ------------------------------------------------------------------------
 
     def set_host(self, names) -> None:
-        """Update the master and state of ``names`` (offloaded, not resident) on the host: a fused
-        AdamW on a worker thread; only gradients and compute-dtype weights cross the link. The
-        worker steps one parameter at a time (each one's weights go up as soon as it is done), with
-        the user's groups' hyperparameters as they are at each step; hooks registered on the
-        user's optimizer do not run for this part. After ``optimizer.load_state_dict`` (new state
-        dicts) call ``set_host`` again."""
+        """Update the master and state of ``names`` (offloaded, not resident) on the host, one parameter at
+        a time on a worker thread, with the user's groups' current hyperparameters; hooks registered on
+        the user's optimizer do not run for this part. Call again after ``optimizer.load_state_dict``."""
         names = frozenset(names)
         bad = names - set(self.params)
         if bad or names & self.resident:
@@ -196,10 +186,8 @@ class StreamedOptimizer:
         self._host_opt = self._host_optimizer(names) if names else None
         for n in sorted(names - set(self._host_bufs), key=list(self.params).index):
             # pinned buffers are slow to make (page locking): made with the plan, not in a step
-            c = self.compute.get(n)
-            like = torch.empty(self.params[n].shape, device="meta",
-                               dtype=self.grad_dtype or (c.dtype if c is not None else self.params[n].dtype))
-            self._bufs(n, like)
+            dtype = self.grad_dtype or (self.compute[n] if n in self.compute else self.params[n]).dtype
+            self._bufs(n, torch.empty(self.params[n].shape, device="meta", dtype=dtype))
         if names and self._worker is None:
             dev = self.device
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="shardwise-host-update",
@@ -215,10 +203,9 @@ class StreamedOptimizer:
         for g in self.opt.param_groups:
             ps = []
             for p in g["params"]:
-                n = by_id.get(id(p))
-                if n in names:
-                    hp = self._host_params[n] = torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
-                    ps.append(hp)
+                if (n := by_id.get(id(p))) in names:
+                    ps.append(torch.nn.Parameter(p.data, requires_grad=p.requires_grad))
+                    self._host_params[n] = ps[-1]
             if ps:
                 groups.append(self._host_group(g, ps, fused))
                 self._host_groups.append(g)
@@ -229,12 +216,8 @@ class StreamedOptimizer:
 
     @staticmethod
     def _host_group(group: dict, params: list, fused: bool) -> dict:
-        """A param group of the host optimizer: the user's ``group`` hyperparameters over ``params``,
-        fused (CPU fused AdamW: one pass) where asked."""
-        grp = {k: v for k, v in group.items() if k != "params"}
-        if fused:
-            grp.update(fused=True, foreach=False)
-        return {**grp, "params": params}
+        """The user's ``group`` hyperparameters over ``params``, fused where asked."""
+        return {**group, **(dict(fused=True, foreach=False) if fused else {}), "params": params}
 
     def _bufs(self, n: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         """Host buffers of one host-updated parameter, made once: the gradient as it arrives, in the
@@ -268,8 +251,7 @@ class StreamedOptimizer:
                 hp.grad = None
                 c = self.compute.get(n)
                 sent = None
-                if c is not None:
-                    self._host_moved += c.numel() * c.element_size()
+                self._host_moved += c.numel() * c.element_size() if c is not None else 0
                 if c is not None and self.cuda:
                     out = b["out"]
                     if n in self._host_sent:
@@ -307,12 +289,11 @@ class StreamedOptimizer:
             self.bytes_moved += g.numel() * g.element_size()
             with self._stream(self.hs if self.cuda else None):
                 b["grad"].copy_(g, non_blocking=self.cuda)
-                ev = None
+                arrived[n] = None
                 if self.cuda:
                     g.record_stream(self.hs)
-                    ev = torch.cuda.Event()
-                    ev.record()
-            arrived[n] = ev
+                    arrived[n] = torch.cuda.Event()
+                    arrived[n].record()
             published[n] = Future()
         self._host_job = self._worker.submit(self.run_host_update, arrived, published)
 
@@ -339,8 +320,8 @@ class StreamedOptimizer:
         step of the host optimizer's kind and the cast of the new weights, on scratch tensors."""
         name = next(iter(self.params))
         master = self.params[name]
-        gd = self.grad_dtype or (self.compute[name].dtype if name in self.compute else master.dtype)
         cd = self.compute[name].dtype if name in self.compute else master.dtype
+        gd = self.grad_dtype or cd
         p = torch.nn.Parameter(torch.zeros(numel, dtype=master.dtype))
         g = torch.ones(numel, dtype=gd, pin_memory=self.cuda)
         out = torch.empty(numel, dtype=cd, pin_memory=self.cuda)
@@ -370,16 +351,15 @@ class StreamedOptimizer:
         return sum(self.params[n].numel() for n in self.host)
 
     def update_time(self, link) -> float:
-        """Predicted seconds of the update's data movement and host work: the link moving
-        ``transfer_bytes`` (both directions overlapped) and the host stepping its part, side by side."""
+        """Predicted seconds of the update: the link moving ``transfer_bytes`` (both directions
+        overlapped) and the host stepping its part, side by side."""
         host = self.host_elements() / self.host_rate if self.host and self.host_rate else 0.0
         return max(link.stream_time(*self.transfer_bytes()), host)
 
     def plan_host(self, link, rate: float | None = None, fraction: float | None = None) -> list[str]:
-        """Choose the host-updated parameters among the offloaded, last in forward order first (the
-        next forward reads them last). ``fraction``: that share of the offloaded state's bytes.
-        Otherwise the cost model: take a parameter while it makes ``update_time`` smaller (the link
-        time falls by what no longer streams, the host time grows by its elements / ``rate``)."""
+        """Choose the host-updated parameters among the offloaded, last in forward order first (the next
+        forward reads them last): ``fraction`` of the offloaded state's bytes, else each parameter that
+        makes ``update_time`` smaller."""
         take: list[str] = []
         cands = [n for n in self.params if n not in self.resident][::-1] if self.sliced else []
         if fraction is not None:
@@ -421,9 +401,7 @@ class StreamedOptimizer:
         """Per-element state tensors per parameter (measured once state exists, else by kind)."""
         from ..costmodel import optimizer_state_bytes
 
-        p = next(iter(self.params.values()))
-        have = self._state_tensors(p)
-        if have:
+        if have := self._state_tensors(next(iter(self.params.values()))):
             return len(have)
         return round((optimizer_state_bytes(self.opt) - 4 * len(self.params))
                      / max(1, sum(q.numel() * q.element_size() for q in self.params.values())))
@@ -633,14 +611,10 @@ class StreamedOptimizer:
             # the next graph waits for each parameter where it first reads it (passes/ready.py)
             from torch._C._distributed_c10d import _register_work
 
-            for n, ev in ready.items():
-                c = self.compute.get(n)
-                if c is not None:
-                    _register_work(c, ReadyWork(ev))
-            for n, fut in published.items():
-                c = self.compute.get(n)
-                if c is not None:
-                    _register_work(c, HostReadyWork(fut))
+            works = [(n, ReadyWork(e)) for n, e in ready.items()]
+            for n, work in works + [(n, HostReadyWork(f)) for n, f in published.items()]:
+                if n in self.compute:
+                    _register_work(self.compute[n], work)
             return
         self._join_host()
         if self.host and self.cuda:
