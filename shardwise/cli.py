@@ -198,6 +198,9 @@ def mesh_args(p) -> None:
     p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
                    help="with --tp: cut the untied LM head by classes (on), keep it whole (off), or as the "
                         "cost model predicts faster (auto, default)")
+    p.add_argument("--tp-fuse", choices=["auto", "off", "ring", "kernel"], default="auto",
+                   help="with --tp: products beside their tp collectives run fused with them (ring: decomposed, "
+                        "any device; kernel: Triton over symmetric memory), or as the cost model predicts faster (auto)")
     p.add_argument("--init-timeout", type=float, default=300.0, metavar="S",
                    help="seconds the ranks wait for each other to join the process group (default 300)")
 
@@ -222,7 +225,8 @@ def tp_kw(args) -> dict:
     if split != 1 and args.ep <= 1:
         raise SystemExit("--ep-split splits the batch for expert parallelism: give --ep N (N > 1) with it")
     return {**({"sequence_parallel": True} if args.sp else {}), **({"ep_split": split} if split != 1 else {}),
-            **({"vocab_parallel": args.vocab_parallel == "on"} if args.vocab_parallel != "auto" else {})}
+            **({"vocab_parallel": args.vocab_parallel == "on"} if args.vocab_parallel != "auto" else {}),
+            **({"tp_fuse": args.tp_fuse} if args.tp > 1 else {})}
 
 
 def optimizer_args(p) -> None:
@@ -575,10 +579,12 @@ def main(argv=None) -> int:
             parser.error(str(e))
     if args.cmd == "train":
         check_train_args(parser, args)
-    if getattr(args, "tp", 1) <= 1 and (getattr(args, "sp", False) or getattr(args, "vocab_parallel", "auto") != "auto"):
-        # told here, before any rank starts
-        parser.error("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1)" if args.sp else
-                     "--vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N (N > 1)")
+    tp_only = [f"{f} {what} the tensor-parallel ranks: give --tp N (N > 1)" for f, what, on in (
+        ("--sp", "shards the sequence over", getattr(args, "sp", False)),
+        ("--vocab-parallel", "cuts the LM head over", getattr(args, "vocab_parallel", "auto") != "auto"),
+        ("--tp-fuse", "fuses products with the collectives of", getattr(args, "tp_fuse", "auto") != "auto")) if on]
+    if getattr(args, "tp", 1) <= 1 and tp_only:  # told here, before any rank starts
+        parser.error(tp_only[0])
     if getattr(args, "ep_split", 1) != 1 and getattr(args, "ep", 1) <= 1:
         parser.error("--ep-split splits the batch for expert parallelism: give --ep N (N > 1) with it")
     fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main, "bench": bench_main}[args.cmd]

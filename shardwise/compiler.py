@@ -16,6 +16,8 @@ import re
 import time
 import warnings
 
+import torch.distributed as dist
+
 from .capture import batch_signature, capture_step, flatten_batch
 from .config import JobConfig
 from .passes import ShardContext, shard_step
@@ -80,7 +82,7 @@ class TensorParallelAxis:
     sequence shards, and, once the first step is captured, each parameter's placement on it."""
 
     def __init__(self, ranks: int, rank: int, group, plan, sequence_parallel: bool = False,
-                 allow_replicate: bool = False, vocab_parallel: bool | None = None):
+                 allow_replicate: bool = False, vocab_parallel: bool | None = None, fuse: str = "auto"):
         self.ranks, self.rank, self.group, self.plan = ranks, rank, group, plan
         self.sequence_parallel, self.allow_replicate = sequence_parallel, allow_replicate
         self.vocab_parallel = vocab_parallel
@@ -91,6 +93,8 @@ class TensorParallelAxis:
         """The cost model's weighing of the two, where their plans differ."""
         self.head_choice: list[dict] = []
         """Megatron's plan: the LM head's predicted step and peak, vocab-parallel and whole, and which was kept."""
+        self.fuse, self.fuse_choice = fuse, []
+        """``tp_fuse``; each fused-product site of the last program partitioned (passes/fuse_tp.py ``apply``)."""
         self._index: dict[str, object] = {}
 
     def rank_input(self, name: str, device):
@@ -151,6 +155,8 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
             raise ValueError("sequence_parallel shards along the tp axis: use a mesh with one, e.g. sw.mesh(tp=2)")
         if config.vocab_parallel is not None:
             raise ValueError("vocab_parallel cuts the LM head over the tp axis: use a mesh with one, e.g. sw.mesh(tp=2)")
+        if config.tp_fuse != "auto":
+            raise ValueError("tp_fuse fuses products with the tp axis' collectives: use a mesh with one, e.g. sw.mesh(tp=2)")
         return None
     groups = {"offload_optimizer": config.offload, "overlap_update": config.update}
     for name in NOT_WITH_TP:
@@ -158,7 +164,8 @@ def tensor_parallel_axis(mesh, config: JobConfig) -> TensorParallelAxis | None:
             raise ValueError(f"{name} does not compose with tensor parallelism yet (mesh tp={ranks}): leave it "
                              "off, or use a mesh of dp alone")
     return TensorParallelAxis(ranks, mesh.rank("tp"), mesh.group("tp"), "megatron" if config.tp_plan is None else config.tp_plan,
-                              config.sequence_parallel, config.allow_replicate, config.vocab_parallel)
+                              config.sequence_parallel, config.allow_replicate, config.vocab_parallel,
+                              config.tp_fuse)
 
 
 class Compiler:
@@ -240,6 +247,8 @@ class Compiler:
     def _partition(self, cap):
         """(The tp-local step (passes/tp.py), its placements, its product policy); the first one fixes
         the plan every later one follows."""
+        from .kernels import available
+        from .passes import fuse_tp
         from .passes import tp as tp_pass
 
         tp = self.tp
@@ -264,6 +273,9 @@ class Compiler:
         else:
             gather = tp.gather or "activation"
             local = tp_pass.partition(*args, gather=gather)[0]
+        # products beside their tp collectives fused (ring or Triton kernels) where predicted faster
+        kernel = available(self.device) and (tp.fuse == "kernel" or dist.get_backend(tp.group) == "nccl")
+        tp.fuse_choice = fuse_tp.apply(local.gm, tp.fuse, self.ctx.cost, kernel)
         return local, placements, gather
 
     def _traced_ep(self, batch, train: bool, tensors):

@@ -194,6 +194,11 @@ class JobConfig:
     vocab_parallel: bool | None = None
     """Megatron's plan: the untied LM head cut by classes (True), whole (False), or whichever the cost
     model predicts faster (None; passes/tp.py ``head_choice``)."""
+    tp_fuse: str = "auto"
+    """With a tp axis: each product beside its tp collective (an all-gather it reads, a reduce-scatter
+    or all-reduce of its result) run fused with it (passes/fuse_tp.py): "auto" as the cost model
+    predicts fastest, "off", "ring" (the decomposed path, any device) or "kernel" (Triton over
+    symmetric memory, CUDA)."""
     ep_plan: list | tuple | None = None
     """Where the mesh has an ep axis: parameter-name globs of the expert parameters to split over it
     (each ``[experts, ...]``); None: those found from the graph (passes/ep.py)."""
@@ -244,6 +249,8 @@ class JobConfig:
             bad = {k: v for k, v in self.tp_plan.items() if not isinstance(v, (Shard, Replicate))}
             if bad:
                 raise ValueError(f"tp_plan: each placement must be sw.Shard(dim) or sw.Replicate(), got {bad}")
+        if self.tp_fuse not in ("auto", "off", "ring", "kernel"):
+            raise ValueError(f"tp_fuse must be 'auto', 'off', 'ring' or 'kernel', got {self.tp_fuse!r}")
         if self.vocab_parallel not in (None, True, False):
             raise ValueError(f"vocab_parallel must be True, False or None (the cost model chooses), "
                              f"got {self.vocab_parallel!r}")

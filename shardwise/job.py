@@ -64,6 +64,7 @@ def compile(
     sequence_parallel: bool = False,
     allow_replicate: bool = False,
     vocab_parallel: bool | None = None,
+    tp_fuse: str = "auto",
     ep_plan=None,
     ep_capacity_factor: float | str | None = None,
     ep_split: int = 1,
@@ -83,7 +84,7 @@ def compile(
     (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``, ``offload_activations``),
     optimizer offload (``OffloadOptions``), the update (``UpdateOptions``: ``clip_grad_norm``,
     ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and, where ``mesh`` has
-    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate`` and ``vocab_parallel``, where it
+    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate``, ``vocab_parallel`` and ``tp_fuse``, where it
     has an ep axis ``ep_plan``, ``ep_capacity_factor`` and ``ep_split``, and the
     ``timeout`` a step may wait on other ranks (``JobConfig``).
     README.md says what each does and what it measured.
@@ -110,7 +111,7 @@ def compile(
                              overlap_update=overlap_update),
         matmul_sm_carveout=matmul_sm_carveout, link_profile=link_profile, tp_plan=tp_plan,
         sequence_parallel=sequence_parallel, allow_replicate=allow_replicate, vocab_parallel=vocab_parallel,
-        ep_plan=ep_plan, ep_capacity_factor=ep_capacity_factor, ep_split=ep_split,
+        tp_fuse=tp_fuse, ep_plan=ep_plan, ep_capacity_factor=ep_capacity_factor, ep_split=ep_split,
         timeout=timeout)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")

@@ -136,6 +136,15 @@ def explain(job) -> str:
                      f"model: step {h['split_s'] * 1e3:.3f} ms vocab-parallel (peak {size_text(h['split_peak'])}) vs "
                      f"{h['whole_s'] * 1e3:.3f} ms whole (peak {size_text(h['whole_peak'])}); "
                      "vocab_parallel=True|False decides instead")
+    rows = job.tp.fuse_choice if job.tp is not None else []
+    if rows:
+        fused = sum(r["impl"] != "plain" for r in rows)
+        lines.append(f"  products beside tp collectives (tp_fuse={job.tp.fuse!r}): {fused} of {len(rows)} fused; "
+                     "predicted µs per way (plain, ring, kernel), the one taken in []:")
+        for r in rows:
+            ways = " ".join(f"[{i} {t * 1e6:.1f}]" if i == r["impl"] else f"{i} {t * 1e6:.1f}"
+                            for i, t in r["predicted"].items())
+            lines.append(f"    {r['kind']:14s} {size_text(r['bytes']):>9s}  {ways or r['impl']}  {r['site']}")
     return "\n".join(lines)
 
 

@@ -635,10 +635,28 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
     info = {"tp": prog.counts("tp"), "dp": prog.counts("dp"),
             "phases": Counter((c.axis, c.kind, c.phase) for c in cs),
             "tp_all_reduced": sorted(p for c in cs if c.axis == "tp" and c.kind == "all_reduce" for p in c.params),
-            "gather": (job.tp.gather, job.tp.gather_choice),
+            "gather": (job.tp.gather, job.tp.gather_choice), "fuse": job.tp.fuse_choice,
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "explain": job.explain()}
     return losses, sd, info
+
+
+def tp_fused_kernel_run(fuse: str, steps: int = 4, dtype: torch.dtype = torch.float32):
+    """A small Llama (rows a multiple of the kernels' tile: batch 4 x 64 tokens) on tp=2 with sequence
+    parallelism on CUDA, its tp products fused as ``fuse`` says: (losses, the fused sites' impls)."""
+    import os
+
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"  # the ranks share one GPU
+    torch.manual_seed(0)
+    model = build("llama", "small").to(dtype).cuda()
+    job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=2, device="cuda"), sequence_parallel=True,
+                     tp_fuse=fuse)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        tok = torch.randint(0, 256, (4, 65), generator=g).cuda()
+        losses.append(float(job.step((tok[:, :-1], tok[:, 1:]))))
+    return losses, [r["impl"] for r in job.tp.fuse_choice]
 
 
 def tp_budget_run(budget, steps: int = 2, **kw):

@@ -125,7 +125,9 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
             owners[n] = frozenset()
         elif n.op == "call_function":
             src = next(iter(n.all_input_nodes), None)
-            if aliases_input(n) and src is not None:
+            # a fused tp product's outputs are tensors of their own, each freed when its readers are done
+            parts = isinstance((src.meta.get("val") if src is not None else None), list) and "tp_fused" in src.meta
+            if aliases_input(n) and src is not None and not parts:
                 owners[n] = owners.get(src, frozenset())
                 heavy[n] = heavy.get(src, False)
             elif fused and _inlined(n, out, reads := frozenset().union(*(owners.get(a, frozenset())
@@ -140,8 +142,8 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
                 if fused and (elementwise(n) or info(n.target).inplace):
                     kernel_reads[n] = reads
                 v = n.meta.get("val")
-                size[n] = 0 if n.meta.get("sw_host") or (dev is not None and getattr(v, "device", None) is not None
-                                                         and v.device.type != dev) else tensor_bytes(v)
+                size[n] = 0 if n.meta.get("sw_host") or isinstance(v, list) and "tp_fused" in n.meta or (
+                    dev is not None and getattr(v, "device", None) is not None and v.device.type != dev) else tensor_bytes(v)
                 if (fused and size[n] and n.target is aten.embedding_dense_backward.default
                         and getattr(v, "dtype", torch.float32).itemsize < 4):
                     # inductor's decomposition accumulates a half-precision gradient in an fp32

@@ -19,6 +19,7 @@ from ..sharding.ops import info
 from .collectives import PRESETS, LinkProfile
 from .compute import node_time
 from .devices import CPU_POOL, DEVICES, PCIE5, Device, cuda_device
+from .fused import Fused, fused_s
 from .hostlink import HostLink
 from .memory import Liveness, liveness
 from .simulate import Timeline, simulate
@@ -74,8 +75,13 @@ class CostModel:
     # -- time ----------------------------------------------------------------------------------
 
     def node_time(self, n: fx.Node) -> float:
-        """The roofline seconds of one node on this device."""
-        return node_time(n, self.device)
+        """The roofline seconds of one node on this device (a fused tp product's with its collective)."""
+        f = n.meta.get("tp_fused")
+        return node_time(n, self.device) if f is None else self.fused_time(f, f.impl)
+
+    def fused_time(self, f: Fused, impl: str) -> float:
+        """Seconds of a tp product fused with its collective, run as ``impl`` (costmodel/fused.py)."""
+        return fused_s(f, impl, self.device, self.link.time, getattr(self.link, "fused", None))
 
     def comm_time(self, n: fx.Node) -> float:
         """The α-β seconds of one collective start node over its group."""

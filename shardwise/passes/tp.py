@@ -254,8 +254,8 @@ def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None, reason="
     v = x.meta["val"]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         c = emit.collective("all_reduce", v.numel() * v.dtype.itemsize, ranks, phase, axis="tp", reason=reason)
-        return emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
-                                   list(v.shape), v.dtype, v.device, c, stage)
+        return _moved(emit.start_and_wait(g, emit.c10d.all_reduce.default, (emit.contiguous(g, x), "sum", group),
+                                          list(v.shape), v.dtype, v.device, c, stage), x, None, group, c)
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return _gather(g, x, src, ranks, group, phase, stage, reason)
     if isinstance(src, Partial) and isinstance(dst, Shard):
@@ -294,10 +294,10 @@ def _gather(g, x, p, ranks, group, phase, stage=None, reason=""):
         swapped = [k, ranks, *split[2:]]
         out = emit.node(g, aten.transpose.int, (out, 0, 1), emit.fake(swapped, v.dtype, v.device))
         out = emit.node(g, aten.reshape.default, (out, full), emit.fake(full, v.dtype, v.device))
-    if d == 0:
-        return out
-    back = [perm.index(i) for i in range(len(perm))]
-    return _contiguous(g, emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device)))
+    if d != 0:
+        back = [perm.index(i) for i in range(len(perm))]
+        out = _contiguous(g, emit.node(g, aten.permute.default, (out, back), emit.fake(list(v.shape), v.dtype, v.device)))
+    return _moved(out, x, d, group, c) if p.groups == 1 else out
 
 
 def _scatter(g, x, p, ranks, group, phase, stage=None, reason=""):
@@ -322,11 +322,18 @@ def _scatter(g, x, p, ranks, group, phase, stage=None, reason=""):
                         reason=reason)
     out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,
                               v.device, c, stage)
-    if d == 0:
-        return out
-    back = [perm.index(i) for i in range(len(perm))]
-    return _contiguous(g, emit.node(g, aten.permute.default, (out, back),
-                                    emit.fake(local_shape(v.shape, p, ranks), v.dtype, v.device)))
+    if d != 0:
+        back = [perm.index(i) for i in range(len(perm))]
+        out = _contiguous(g, emit.node(g, aten.permute.default, (out, back),
+                                       emit.fake(local_shape(v.shape, p, ranks), v.dtype, v.device)))
+    return _moved(out, x, d, group, c) if p.groups == 1 else out
+
+
+def _moved(out: fx.Node, x: fx.Node, dim, group: str, c) -> fx.Node:
+    """``out``, the value ``x`` moved by collective ``c`` on ``group`` (along ``dim``), marked so:
+    the fused products' pass (passes/fuse_tp.py) finds the products beside it by the mark."""
+    out.meta["tp_moved"] = (x.name, dim, group, c)
+    return out
 
 
 def _contiguous(g, x):

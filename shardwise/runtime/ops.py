@@ -37,6 +37,7 @@ another kernel. On CPU they are the plain products.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -185,6 +186,77 @@ CARVED = {aten.mm.default: torch.ops.shardwise.carved_mm.default,
 for _product, _twin in CARVED.items():
     ops.register(_product, carved=_twin)
     ops.register(_twin, carves=_product, flops=ops.info(_product).flops, extern=True)
+
+
+# -- tensor-parallel products fused with their collectives (passes/fuse_tp.py) ---------------------
+# ``impl`` "ring": the decomposed path in plain torch (kernels/ring.py), on any process group;
+# "kernel": the Triton kernels over symmetric memory (kernels/ag_gemm.py, kernels/gemm_rs.py), CUDA.
+
+@_custom_op("shardwise::ag_mm")
+def ag_mm(x: torch.Tensor, ws: list[torch.Tensor], dim: int, group: str, impl: str) -> list[torch.Tensor]:
+    """``x`` all-gathered along ``dim`` over ``group``, and that (as rows of its last dim) times each of ``ws``."""
+    if impl == "kernel":
+        from ..kernels.ag_gemm import ag_gemm
+
+        return ag_gemm(x, ws, dim, group)
+    from ..kernels import ring
+
+    return ring.ag_mm(x, ws, dim, group)
+
+
+@ag_mm.register_fake
+def _(x, ws, dim, group, impl):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    shape = list(x.shape)
+    shape[dim] *= _resolve_process_group(group).size()
+    return [x.new_empty(shape), *(x.new_empty((math.prod(shape[:-1]), w.shape[1])) for w in ws)]
+
+
+@_custom_op("shardwise::mm_rs")
+def mm_rs(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, shape: list[int], dim: int, group: str,
+          impl: str) -> torch.Tensor:
+    """This rank's piece of ``(a @ w).view(shape) + c`` summed over ``group`` and cut along ``dim``."""
+    if impl == "kernel":
+        from ..kernels.gemm_rs import gemm_rs
+
+        return gemm_rs(a, w, c, shape, dim, group)
+    from ..kernels import ring
+
+    return ring.mm_rs(a, w, c, shape, dim, group)
+
+
+@mm_rs.register_fake
+def _(a, w, c, shape, dim, group, impl):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    out = list(shape)
+    out[dim] //= _resolve_process_group(group).size()
+    return a.new_empty(out)
+
+
+@_custom_op("shardwise::mm_ar")
+def mm_ar(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, chunks: int, group: str) -> torch.Tensor:
+    """``a @ w + c`` summed over ``group``, each of ``chunks`` blocks of rows reduced while the next is multiplied."""
+    from ..kernels import ring
+
+    return ring.mm_ar(a, w, c, chunks, group)
+
+
+@mm_ar.register_fake
+def _(a, w, c, chunks, group):
+    return a.new_empty((a.shape[0], w.shape[1]))
+
+
+def _fused_flops(n: fx.Node) -> float:
+    f = n.meta.get("tp_fused")
+    return sum(2.0 * m * k * q for m, k, q in f.products) if f is not None else 0.0
+
+
+FUSED = {"all_gather": torch.ops.shardwise.ag_mm.default, "reduce_scatter": torch.ops.shardwise.mm_rs.default,
+         "all_reduce": torch.ops.shardwise.mm_ar.default}
+"""The fused op of each tp collective a product feeds or is fed by."""
+ops.register(*FUSED.values(), flops=_fused_flops, extern=True)
 
 
 # -- readiness ------------------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""Predicted time of a tensor-parallel product fused with its collective (passes/fuse_tp.py), three ways:
+
+- ``plain``: the collective, then the products (what the tp partition makes; its collectives are not
+  overlapped, so the two add);
+- ``ring``: the decomposed path (kernels/ring.py): ``p`` steps (``chunks`` for an all-reduce), each
+  step's products running beside the next step's transfer; a step takes the longer of the two, and
+  the products of a block of rows re-read the whole weight;
+- ``kernel``: the Triton kernels over symmetric memory (kernels/ag_gemm.py, kernels/gemm_rs.py): the
+  copy engines move the shards while one persistent product runs at ``efficiency`` of the library's
+  rate; all-gather+GEMM starts on the local shard, GEMM+reduce-scatter ends with a reduction of the
+  ``p`` partial blocks at memory bandwidth; two barriers a call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .devices import Device
+
+KERNEL_EFFICIENCY = {"all_gather": 0.9, "reduce_scatter": 0.9}
+"""The Triton kernels' product rate as a share of cuBLAS's on the same shape, where ``shardwise
+calibrate`` has not measured the machine's (``LinkProfile.fused``)."""
+BARRIER_S = 10e-6
+"""One symmetric-memory barrier (a signal-pad exchange), seconds."""
+IMPLS = ("plain", "ring", "kernel")
+
+
+@dataclass(frozen=True)
+class Fused:
+    """What a fused node does (``node.meta["tp_fused"]``): its collective, how it runs, its products."""
+
+    impl: str
+    """``ring`` or ``kernel`` (module docstring)."""
+    kind: str
+    """The collective it holds: ``all_gather``, ``reduce_scatter`` or ``all_reduce``."""
+    full_bytes: int
+    """Bytes of the whole tensor the collective moves (its ``Collective.full_bytes``)."""
+    ranks: int
+    products: tuple[tuple[int, int, int], ...]
+    """(m, k, n) of each product, whole (all ranks' rows)."""
+    itemsize: int
+    chunks: int = 1
+    """Blocks of rows an all-reduce's products are cut in (``ring``)."""
+    label: str = ""
+    """The products it runs (``explain``)."""
+
+    def __str__(self) -> str:
+        return f"{self.impl} {self.kind}x{self.ranks} {self.label}"
+
+
+def product_s(m: float, k: int, n: int, itemsize: int, device: Device) -> float:
+    """Roofline seconds of an (m, k) by (k, n) product."""
+    return max(2.0 * m * k * n / device.flops, (m * k + k * n + m * n) * itemsize / device.bandwidth)
+
+
+def fused_s(f: Fused, impl: str, device: Device, link_time: Callable[[str, float, int], float],
+            efficiency: dict | None = None) -> float:
+    """Seconds of ``f`` run as ``impl`` on ``device`` over a link timed by ``link_time(kind, bytes,
+    ranks)``; ``efficiency``: the kernels' measured share of the library's product rate, by kind."""
+    p = f.ranks
+
+    def products(parts: int) -> float:  # one block of rows of every product
+        return sum(product_s(m / parts, k, n, f.itemsize, device) for m, k, n in f.products)
+
+    comm = link_time(f.kind, f.full_bytes, p)
+    if impl == "plain":
+        return comm + products(1)
+    if impl == "ring":
+        if f.kind == "all_reduce":
+            c, x = products(f.chunks), link_time(f.kind, f.full_bytes / f.chunks, p)
+            return c + (f.chunks - 1) * max(c, x) + x
+        c, x = products(p), comm / (p - 1)
+        return c + (p - 1) * max(c, x)
+    if impl == "kernel":
+        eff = (efficiency or KERNEL_EFFICIENCY)[f.kind]
+        whole = products(1) / eff
+        if f.kind == "all_gather":
+            return max(whole, whole / p + comm) + 2 * BARRIER_S
+        reduce = (p + 1) * f.full_bytes / p / device.bandwidth  # p blocks read, one written
+        return max(whole, comm) + reduce + BARRIER_S
+    raise ValueError(f"unknown fused implementation {impl!r}: one of {', '.join(IMPLS)}")
