@@ -315,6 +315,29 @@ def test_cuda_tensor_parallel_gloo_ranks_sharing_the_gpu(pools, name, strategy, 
 
 
 @needs_cuda
+@pytest.mark.parametrize("sp", [False, True])
+def test_cuda_fused_tp_products_gloo_ranks_sharing_the_gpu(pools, sp):
+    """The decomposed path (kernels/ring.py) on CUDA tensors over gloo (staged through the host): fp64
+    parity with one device."""
+    ref_losses, ref_sd = harness.reference("llama", "fp64", 1, 3)
+    losses, sd, info = pools(2, "gloo").run(harness.tp_run, "llama", "ddp", "fp64", 3, 2, device="cuda",
+                                            sequence_parallel=sp, tp_fuse="ring", vocab_parallel=False)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-10
+    assert info["fuse"] and all(r["impl"] == "ring" for r in info["fuse"])
+
+
+@needs_cuda
+def test_cuda_fused_tp_kernels_gloo_ranks_sharing_the_gpu(pools):
+    """The Triton kernels over symmetric memory, two ranks on the one GPU: the fp32 step (products in
+    IEEE fp32) trains as the unfused one does, every all-gather and reduce-scatter site on a kernel."""
+    off, _ = pools(2, "gloo").run(harness.tp_fused_kernel_run, "off")[0]
+    got, impls = pools(2, "gloo").run(harness.tp_fused_kernel_run, "kernel")[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, off)) <= 1e-5, (got, off)
+    assert impls.count("kernel") >= 8 and set(impls) <= {"kernel", "ring"}, impls
+
+
+@needs_cuda
 @pytest.mark.parametrize("kw", [{}, {"offload_optimizer": "all", "offload_chunk_mb": 1 / 64,
                                      "offload_host_update": False}], ids=["fused-adamw", "offload"])
 def test_cuda_a_checkpoint_resumes_bit_identical(tmp_path, kw):

@@ -116,10 +116,15 @@ def test_the_planner_and_the_compiler_time_a_collective_alike():
 LIMITS = {"job.py": 400}
 FILE_LIMIT = 700
 CORE_LIMIT = 15_000
+KERNELS_LIMIT = 600
+"""kernels/ is GPU code (Triton kernels and their symmetric-memory plumbing, a pure-torch reference
+and the portable decomposed path beside each): a library the compiler calls, on a budget of its own."""
 
 
 def test_files_stay_small():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     big = {f: n for f, n in sizes.items() if n > LIMITS.get(f, FILE_LIMIT)}
     assert not big, f"files over their line budget: {big}"
-    assert sum(sizes.values()) < CORE_LIMIT, sum(sizes.values())
+    kernels = sum(n for f, n in sizes.items() if f.startswith("kernels/"))
+    assert kernels < KERNELS_LIMIT, kernels
+    assert sum(sizes.values()) - kernels < CORE_LIMIT, sum(sizes.values()) - kernels
