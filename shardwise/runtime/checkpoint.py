@@ -1,17 +1,13 @@
 """Sharded checkpoints of a job through ``torch.distributed.checkpoint`` (DCP), no format of our own.
 
 ``state_dict(job)`` describes what this rank holds as DTensors over the data-parallel axis of the
-job's ``DeviceMesh``: each parameter with its whole shape (dim 0 cut as the shard layout cuts it,
-``Shard(0)``, under zero1-3; ``Replicate()`` under ddp) and each tensor of its optimizer state alike,
-plus the optimizer's hyperparameters and the job's step counter. Under a tp axis, and for a state
-held in host memory (offload), each tensor is ``Pieces``: the blocks of the whole tensor this rank
-holds, at their offsets (a tp shard of a fused q/k/v weight is three blocks; the dp cut of a tp shard
-is not the dp cut of the whole), which ``SavePlanner`` and ``LoadPlanner`` give DCP. DCP writes each
-rank's blocks with their global offsets, so a checkpoint loads on any mesh and under any strategy:
-``load_state_dict`` reads into the blocks the loading job holds, and DCP moves what each rank needs.
-A tp job that has not taken its first step holds its state whole on the tp axis (the tp plan comes
-from the first step's graph): it loads so, and ``Job._shard_tp`` cuts the loaded state to the tp
-shards at that step. A 0-dim parameter is stored as shape ``(1,)``, as the layouts hold it.
+job's ``DeviceMesh``: each parameter with its whole shape (``Shard(0)`` under zero1-3, ``Replicate()``
+under ddp) and each tensor of its optimizer state alike, plus the optimizer's hyperparameters and the
+job's step counter. Under a tp axis, and for a state held in host memory (offload), each tensor is
+``Pieces`` (below). DCP writes each rank's blocks with their global offsets, so a checkpoint loads on
+any mesh and under any strategy. A tp job before its first step holds its state whole on the tp axis
+(the tp plan comes from the first step's graph): it loads so, and ``Job._shard_tp`` cuts it at that
+step. A 0-dim parameter is stored as shape ``(1,)``, as the layouts hold it.
 
 ``save(job, path)`` writes under a temporary name next to ``path`` and publishes it by rename once
 DCP's metadata is written (rank 0, after every rank's write), so a crash mid-save leaves the
@@ -206,12 +202,8 @@ def _params(job) -> dict[str, torch.Tensor]:
 
 def _persistent_buffers(job) -> dict[str, torch.Tensor]:
     """The model's buffers that its ``state_dict`` holds (BatchNorm's statistics; not RoPE's tables)."""
-    out = {}
-    for prefix, mod in job.model.named_modules():
-        for b, t in mod._buffers.items():
-            if t is not None and b not in mod._non_persistent_buffers_set:
-                out[f"{prefix}.{b}" if prefix else b] = t
-    return out
+    return {f"{prefix}.{b}" if prefix else b: t for prefix, mod in job.model.named_modules()
+            for b, t in mod._buffers.items() if t is not None and b not in mod._non_persistent_buffers_set}
 
 
 def _pack(obj) -> bytes:
@@ -243,10 +235,8 @@ def _set_rng_state(st: dict) -> None:
 
 
 def _extra_state(extra: dict | None) -> dict:
-    out = {}
-    for k, v in (extra or {}).items():
-        out[k] = v.state_dict() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
-    return out
+    return {k: v.state_dict() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
+            for k, v in (extra or {}).items()}
 
 
 def state_dict(job, extra: dict | None = None) -> dict:
@@ -373,16 +363,10 @@ def _template(job, meta: dict) -> dict:
     """The structure ``dcp.load`` fills: this job's pieces, the optimizer's state made for every key
     the checkpoint holds (a job that has taken no step has none yet)."""
     sd = state_dict(job)
-    st = job.state
-    for key in meta["optim_keys"]:
+    for key in [k for k in meta["optim_keys"] if k not in sd["optim"]]:
         name = key.rpartition(".")[0]
-        if key in sd["optim"]:
-            continue
-        p = st.opt_tensors[name]
-        if key in meta["sharded_keys"]:
-            sd["optim"][key] = _sharded(job, name, torch.zeros_like(p))
-        else:
-            sd["optim"][key] = torch.zeros((), dtype=torch.float32)
+        sd["optim"][key] = (_sharded(job, name, torch.zeros_like(job.state.opt_tensors[name]))
+                            if key in meta["sharded_keys"] else torch.zeros((), dtype=torch.float32))
     sd["optim"] = {k: v for k, v in sd["optim"].items() if k in meta["optim_keys"]}
     for k in [k for k in sd if k.startswith("rng.") and k not in meta["top"]]:
         del sd[k]  # saved by fewer ranks: this rank has no state to take
@@ -468,9 +452,9 @@ class PendingSave:
 
 class HostStager:
     """DCP's ``AsyncStager`` for a job: this rank's pieces copied into host buffers kept across saves
-    (pinned on CUDA, copied on a stream of their own, so the copy overlaps the next step's forward and
-    backward; the update waits for it, ``wait_staged``). DCP's own stagers deep-copy the state each
-    save, synchronously, and torch 2.11's cannot copy a DTensor."""
+    (pinned on CUDA, on a stream of their own, overlapping the next step's forward and backward; the
+    update waits for it, ``wait_staged``). DCP's own stagers deep-copy the state each save,
+    synchronously, and torch 2.11's cannot copy a DTensor."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -618,10 +602,8 @@ class Checkpointing:
     """The checkpoint methods of ``Job`` (this module's functions on the job)."""
 
     def state_dict(self, extra: dict | None = None) -> dict:
-        """This rank's part of the job's state for ``dcp.save``: each parameter and optimizer tensor a
-        DTensor of its whole shape over the dp axis (``Pieces`` under a tp axis or offload: give
-        ``dcp.save``/``dcp.load`` ``planner=SavePlanner()``/``LoadPlanner()`` of this module), the
-        buffers, hyperparameters and step counter, this rank's RNG states and ``extra`` (module docstring)."""
+        """This rank's part of the job's state for ``dcp.save`` (module docstring); under a tp axis or
+        offload give ``dcp.save``/``dcp.load`` ``planner=SavePlanner()``/``LoadPlanner()`` of this module."""
         return state_dict(self, extra)
 
     def load_state_dict(self, sd: dict, extra: dict | None = None) -> dict:
