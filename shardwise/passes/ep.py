@@ -2,28 +2,24 @@
 to them and back by all-to-all.
 
 The ranks of an ep line each hold their own micro-batch (the ep axis is data parallel for everything
-but the experts) and ``1/ep`` of every MoE layer's experts. An expert parameter is found from the
-graph: a 3-dim parameter that a batched product (``bmm``) reads as its batch of matrices, one per
-expert (dim 0). The values computed per expert from it form the layer's *expert region*: the batched
-products, the pointwise ops between them and their transposes, in the forward and the backward alike.
-Each rank's region values are ``[E, C, ...]``: all ``E`` experts, this rank's ``C`` token slots (the
-capacity dispatch's buffer). The region runs instead on ``[E/ep, ep*C, ...]``: this rank's experts,
-every rank's slots. So:
+but the experts) and ``1/ep`` of every MoE layer's experts. An expert parameter is a 3-dim parameter
+that a batched product (``bmm``) reads as one matrix per expert (dim 0). The values computed per
+expert from it (the batched products, the pointwise ops and transposes between them, forward and
+backward) form the layer's *expert region*. Its values are ``[E, C, ...]`` on each rank (all ``E``
+experts, this rank's ``C`` token slots); it runs instead on ``[E/ep, ep*C, ...]``. So:
 
-1. a value that enters the region (the dispatch buffer; in the backward, the gradient of the
-   combine's input) is sent by all-to-all: expert block ``j`` of it to rank ``j``, the blocks
-   received concatenated along the slot dim;
-2. a value that leaves it (the experts' output; the gradient of the dispatch buffer) comes back by
-   the inverse all-to-all;
+1. a value entering the region (the dispatch buffer; in the backward, the gradient of the combine's
+   input) is sent by all-to-all: expert block ``j`` to rank ``j``, received blocks concatenated by slot;
+2. a value leaving it (the experts' output; the gradient of the dispatch buffer) comes back by the
+   inverse all-to-all;
 3. a value of an expert parameter's shape made in the region (its gradient) is this rank's experts'
    whole gradient (a product over every rank's slots): it stays where it is.
 
-Outside the region every value is this rank's own, as under data parallelism: the gradients of the
-other parameters are summed over the ep ranks and every gradient and the loss taken as the mean of
-the ep ranks' (each rank's loss is its micro-batch's mean). The result is a Capture of the ep-local
-step, its expert parameters the ep shards (``Shard(0)``), which the data-parallel strategy passes
-then shard as they would a single device's (ZeRO over the dp axis). Under a ZeRO strategy the other
-parameters are cut over ep too (``_shard_shared``): ZeRO over dp x ep.
+Outside the region every value is this rank's own, as under data parallelism: the other gradients are
+summed over the ep ranks, and every gradient and the loss taken as the mean of the ep ranks'. The result
+is a Capture of the ep-local step, its expert parameters the ep shards (``Shard(0)``), which the dp
+strategy passes then shard as a single device's. Under a ZeRO strategy the other parameters are cut
+over ep too (``_shard_shared``): ZeRO over dp x ep.
 
 Hugging Face experts (``use_experts_implementation``) sort their pairs by expert into groups whose
 sizes follow the routing, which no static graph rewrite can move: they are split as the step is
@@ -331,10 +327,9 @@ def issue_early(g: fx.Graph) -> int:
         for a in n.all_input_nodes:
             if a.op == "call_function" and a.target in _LIGHT and len(a.users) == 1:
                 hoist(a)
-        ins = [a for a in n.all_input_nodes]
-        if not ins:
+        if not n.all_input_nodes:
             return False
-        last = max(ins, key=lambda a: order[a])
+        last = max(n.all_input_nodes, key=lambda a: order[a])
         if last.next is n:
             return False
         last.append(n)
@@ -364,7 +359,7 @@ def interleave(g: fx.Graph) -> None:
         return c is not None and c.axis == "ep" and not c.params
 
     depth: dict[fx.Node, int] = {}
-    for n in nodes:
+    for n in nodes:  # in graph order: every input's depth is known
         depth[n] = max((depth[a] + crosses(a) for a in n.all_input_nodes), default=0)
     for n in sorted((n for n in nodes if n.op not in ("placeholder", "output")),
                     key=lambda n: (n not in fwd, depth[n], pos[n])):
@@ -485,14 +480,12 @@ def capacity_dispatch(m, hidden, top_k_index, top_k_weights, factor: float, rank
 
 def hf_forwards(model, ranks: int, rank: int, group, plan=None,
                 capacity: float | None = None) -> tuple[dict, dict, dict[str, int]]:
-    """Forwards that split Hugging Face experts over the ep axis as the step is traced, dropless:
-    every ep rank's (token, choice) pairs are gathered (tokens, expert ids, gates), each rank runs
-    the experts' own implementation on all of them with its ``E/ep`` experts (a pair of another
-    rank's expert takes gate 0, so it adds nothing), and the outputs are summed back to their ranks
-    by a reduce-scatter. Their group sizes depend on the routing, so this is the worst case the
-    buffers are sized for: every pair on every rank. With ``capacity`` (a factor), GShard's capacity
-    rule instead (``capacity_dispatch``: all-to-alls of fixed blocks; pairs past capacity dropped).
-    Returns (forwards by module, the expert parameters' local shapes, their expert counts)."""
+    """Forwards that split Hugging Face experts over the ep axis as the step is traced, dropless: every
+    ep rank's (token, choice) pairs are gathered, each rank runs the experts' own implementation on all
+    of them with its ``E/ep`` experts (another rank's expert takes gate 0), and the outputs are
+    reduce-scattered back. Group sizes depend on the routing, so buffers are sized for the worst case:
+    every pair on every rank. With ``capacity`` (a factor), ``capacity_dispatch`` instead. Returns
+    (forwards by module, the expert parameters' local shapes, their expert counts)."""
     from torch.distributed import _functional_collectives as fc
 
     forwards, shapes, counts = {}, {}, {}
@@ -595,10 +588,10 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, 
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
-        kind = next((k for name, k in _AUTOGRAD.items() if auto is not None and n.target is getattr(
-            getattr(auto, name, None), "default", None)), None)
-        if kind is not None:
-            n.target = getattr(emit.c10d, next(k for k, v in _AUTOGRAD.items() if v == kind)).default
+        name = next((k for k in _AUTOGRAD if auto is not None
+                     and n.target is getattr(getattr(auto, k, None), "default", None)), None)
+        if name is not None:
+            n.target = getattr(emit.c10d, name).default
         kind = emit.COLLECTIVE_TARGETS.get(n.target)
         if kind is None or collective_of(n) is not None:
             continue
