@@ -126,9 +126,7 @@ def call_model(model: nn.Module, batch):
     """Call the model the way DESIGN.md promises: ``model(**batch)`` for a dict, ``model(*batch)`` else."""
     if isinstance(batch, dict):
         return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+    return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
 
 
 def extract_loss(out, batch, loss_fn: Callable | None) -> torch.Tensor:
@@ -141,17 +139,15 @@ def extract_loss(out, batch, loss_fn: Callable | None) -> torch.Tensor:
     elif isinstance(out, dict) and out.get("loss") is not None:
         loss = out["loss"]
     else:
-        raise CaptureError(
-            f"the model returned {type(out).__name__}, not a loss: its forward must return a scalar tensor "
-            "or an object with .loss (as HF models do when given labels), or pass loss_fn=(outputs, batch) -> loss"
-        )
+        raise CaptureError(f"the model returned {type(out).__name__}, not a loss: its forward must return a scalar "
+                           "tensor or an object with .loss (as HF models do when given labels), or pass "
+                           "loss_fn=(outputs, batch) -> loss")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         where = "loss_fn returned" if loss_fn is not None else "the model returned"
-        raise CaptureError(
-            f"{where} {got}, not a loss (a scalar tensor): make forward return the loss, or pass "
-            "loss_fn=(outputs, batch) -> scalar (e.g. cross-entropy of logits and targets, reduced with .mean())"
-        )
+        raise CaptureError(f"{where} {got}, not a loss (a scalar tensor): make forward return the loss, or pass "
+                           "loss_fn=(outputs, batch) -> scalar (e.g. cross-entropy of logits and targets, reduced "
+                           "with .mean())")
     return loss.reshape(())
 
 
@@ -277,7 +273,8 @@ def _grouped_products_by_reference():
     ``_grouped_by_rows`` (others as they are), while the step is traced."""
     import torch.nn.functional as F
 
-    real_f, real_t = getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)
+    patched = [(mod, name, getattr(mod, name)) for mod, name in ((F, "grouped_mm"), (torch, "_grouped_mm"))
+               if getattr(mod, name, None) is not None]
 
     def wrap(real):
         def grouped(mat_a, mat_b, *args, offs=None, bias=None, out_dtype=None, **kw):
@@ -291,16 +288,12 @@ def _grouped_products_by_reference():
         return grouped
 
     try:
-        if real_f is not None:
-            F.grouped_mm = wrap(real_f)
-        if real_t is not None:
-            torch._grouped_mm = wrap(real_t)
+        for mod, name, fn in patched:
+            setattr(mod, name, wrap(fn))
         yield
     finally:
-        if real_f is not None:
-            F.grouped_mm = real_f
-        if real_t is not None:
-            torch._grouped_mm = real_t
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
 
 
 @contextlib.contextmanager
@@ -327,20 +320,10 @@ def _grouped_dtype_refused(e: BaseException) -> bool:
     return False
 
 
-def capture_step(
-    model: nn.Module,
-    batch,
-    *,
-    loss_fn: Callable | None = None,
-    model_inputs=None,
-    param_dtype: torch.dtype | None = None,
-    train: bool = True,
-    with_grads: bool = True,
-    device: torch.device | None = None,
-    forwards: dict | None = None,
-    shapes: dict | None = None,
-    split: int = 1,
-) -> Capture:
+def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, model_inputs=None,
+                 param_dtype: torch.dtype | None = None, train: bool = True, with_grads: bool = True,
+                 device: torch.device | None = None, forwards: dict | None = None, shapes: dict | None = None,
+                 split: int = 1) -> Capture:
     """Trace ``loss = model(batch); grads = d loss / d params`` on fake tensors into one graph.
 
     Parameters released to the ``meta`` device (as zero3 does with the full weights) are traced
@@ -427,22 +410,13 @@ def capture_step(
                     hint = (" The model is called with the whole batch (model(*batch), or model(**batch) for a dict); "
                             "if its forward takes only part of it, say which: model_inputs=0 for a batch (x, y), with "
                             "loss_fn=(outputs, batch) -> loss to reach the labels.")
-                raise CaptureError(
-                    f"cannot trace {type(model).__name__}'s training step whole: {type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''} — at {_user_frame(e)}.{hint}"
-                ) from e
+                raise CaptureError(f"cannot trace {type(model).__name__}'s training step whole: {type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''} — at {_user_frame(e)}.{hint}") from e
     finally:
         model.train(was_training)
-    cap = Capture(
-        gm=gm,
-        param_names=pnames,
-        trainable=trainable,
-        buffer_names=bnames,
-        batch_spec=spec,
-        batch_consts=consts,
-        param_shapes=[torch.Size((shapes or {}).get(n, params[n].shape)) for n in pnames],
-        param_dtype=param_dtype,
-    )
+    cap = Capture(gm=gm, param_names=pnames, trainable=trainable, buffer_names=bnames, batch_spec=spec,
+                  batch_consts=consts, param_dtype=param_dtype,
+                  param_shapes=[torch.Size((shapes or {}).get(n, params[n].shape)) for n in pnames])
     check_no_input_mutation(cap)
     return cap
 
@@ -477,20 +451,16 @@ def check_no_input_mutation(cap: Capture) -> None:
                     node.meta["sw_writes_buffer"] = names[a]
                     written.append(names[a])
                     continue
-                raise CaptureError(
-                    f"the step writes in place to {names[a]!r} ({node.target}, node {node.name}); a parameter "
-                    "or batch tensor written in place is not supported (a rank holds only its shard of a "
-                    "parameter). Compute a new tensor instead of writing into the input."
-                )
+                raise CaptureError(f"the step writes in place to {names[a]!r} ({node.target}, node {node.name}); a "
+                                   "parameter or batch tensor written in place is not supported (a rank holds only "
+                                   "its shard of a parameter). Compute a new tensor instead of writing into the input.")
     cap.written_buffers = list(dict.fromkeys(written))
 
 
 def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes the loss depends on: the forward pass. Everything else (the gradients' own work) is backward."""
-    out = gm.graph.find_nodes(op="output")[0]
-    loss = out.args[0][0]
     seen: set[fx.Node] = set()
-    stack = [loss]
+    stack = [gm.graph.find_nodes(op="output")[0].args[0][0]]  # the loss
     while stack:
         n = stack.pop()
         if n in seen:
