@@ -338,6 +338,17 @@ def calibrate_main(args) -> None:
     if len(sizes) < 2:
         raise SystemExit("calibrate: --max-bytes must be at least 4x --min-bytes (two sizes are needed to fit)")
     prof, samples = calibrate(mesh.group("dp"), mesh.device, sizes, args.iters, torch.float32, args.name)
+    from shardwise.kernels import available
+
+    if available(mesh.device):  # the fused tp kernels' product rate, per class (the slowest rank's)
+        import dataclasses
+
+        from shardwise.costmodel.fused import CALIBRATION_SHAPES, KERNEL_EFFICIENCY
+        from shardwise.kernels._triton import product_share
+
+        share = torch.tensor([product_share(*s, mesh.device) for s in CALIBRATION_SHAPES], device=mesh.device)
+        dist.all_reduce(share, op=dist.ReduceOp.MIN)
+        prof = dataclasses.replace(prof, fused=[[b, float(e)] for (b, _), e in zip(KERNEL_EFFICIENCY, share)])
     if dist.get_rank() == 0:
         prof.save(args.out)
         for k, rows in samples.items():

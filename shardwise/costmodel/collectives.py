@@ -213,6 +213,9 @@ class LinkProfile:
     """Where the numbers come from (a measurement's command and date, or a citation)."""
     host: dict | None = None
     """The host link, bytes/s ``{"h2d", "d2h", "both"}`` (costmodel/hostlink.py), where measured."""
+    fused: list | None = None
+    """The Triton tp kernels' product rate as a share of the library's, ``[[flops bound, share], ...]``
+    (costmodel/fused.py ``KERNEL_EFFICIENCY``), where measured."""
 
     def __post_init__(self):
         for k in KINDS:
@@ -249,7 +252,7 @@ class LinkProfile:
     def load(path: str) -> "LinkProfile":
         with open(path) as f:
             d = json.load(f)
-        return LinkProfile(d["name"], d["alpha"], d["busbw"], d.get("source", ""), d.get("host"))
+        return LinkProfile(d["name"], d["alpha"], d["busbw"], d.get("source", ""), d.get("host"), d.get("fused"))
 
     def host_link(self):
         """The profile's host link as a ``HostLink``, or None where it was not measured."""
@@ -263,6 +266,8 @@ class LinkProfile:
         if self.host:
             parts.append(f"host link h2d {self.host['h2d'] / 1e9:.1f} d2h {self.host['d2h'] / 1e9:.1f} "
                          f"both {self.host['both'] / 1e9:.1f} GB/s")
+        if self.fused:
+            parts.append("tp kernels' products at " + "/".join(f"{e:.2f}" for _, e in self.fused) + " of the library's")
         return f"{self.name}: " + ", ".join(parts)
 
 

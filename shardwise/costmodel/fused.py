@@ -18,9 +18,13 @@ from typing import Callable
 
 from .devices import Device
 
-KERNEL_EFFICIENCY = {"all_gather": 0.9, "reduce_scatter": 0.9}
-"""The Triton kernels' product rate as a share of cuBLAS's on the same shape, where ``shardwise
-calibrate`` has not measured the machine's (``LinkProfile.fused``)."""
+KERNEL_EFFICIENCY = ((2e11, 0.957), (1e12, 0.985), (float("inf"), 1.0))
+"""The Triton kernels' product rate as a share of cuBLAS's, by the product's FLOPs (up to each bound):
+the medians of their default tiles over Llama 3 8B/70B tensor-parallel shapes on one H200 (bench/results/
+2026-12-04-h200-fused-kernels.json), where ``shardwise calibrate`` has not measured the machine's
+(``LinkProfile.fused``, on ``CALIBRATION_SHAPES``)."""
+CALIBRATION_SHAPES = ((1024, 4096, 4096), (4096, 4096, 7168), (8192, 8192, 14336))
+"""(m, k, n) of one product in each class of ``KERNEL_EFFICIENCY``."""
 BARRIER_S = 10e-6
 """One symmetric-memory barrier (a signal-pad exchange), seconds."""
 IMPLS = ("plain", "ring", "kernel")
@@ -55,9 +59,10 @@ def product_s(m: float, k: int, n: int, itemsize: int, device: Device) -> float:
 
 
 def fused_s(f: Fused, impl: str, device: Device, link_time: Callable[[str, float, int], float],
-            efficiency: dict | None = None) -> float:
+            efficiency=None) -> float:
     """Seconds of ``f`` run as ``impl`` on ``device`` over a link timed by ``link_time(kind, bytes,
-    ranks)``; ``efficiency``: the kernels' measured share of the library's product rate, by kind."""
+    ranks)``; ``efficiency``: the kernels' measured share of the library's product rate by FLOPs
+    (``KERNEL_EFFICIENCY``'s form)."""
     p = f.ranks
 
     def products(parts: int) -> float:  # one block of rows of every product
@@ -73,7 +78,8 @@ def fused_s(f: Fused, impl: str, device: Device, link_time: Callable[[str, float
         c, x = products(p), comm / (p - 1)
         return c + (p - 1) * max(c, x)
     if impl == "kernel":
-        eff = (efficiency or KERNEL_EFFICIENCY)[f.kind]
+        flops = max(2.0 * m * k * n for m, k, n in f.products)
+        eff = next(e for bound, e in (efficiency or KERNEL_EFFICIENCY) if flops <= bound)
         whole = products(1) / eff
         if f.kind == "all_gather":
             return max(whole, whole / p + comm) + 2 * BARRIER_S

@@ -131,6 +131,29 @@ def _reduce_kernel(recv_ptr, count_ptr, out_ptr, numel, ranks, expected, BLOCK: 
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < numel)
 
 
+def product(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, cfg: dict | None = None) -> None:
+    """``c = a @ w`` by the kernels' product alone (one rank, nothing to wait for)."""
+    m, k, n = a.shape[0], a.shape[1], w.shape[1]
+    cfg = cfg or config(n, k)
+    A, B, tma, b_t = _operands(a, w, cfg, True)
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg["BLOCK_N"])
+    _ag_gemm_kernel[(_programs(tiles, a.device, 1),)](A, B, c, a, m, n, k, *a.stride(), *w.stride(), *c.stride(), 0, 1,
+                                                      m, m, WAIT=False, PRECISION=_precision(a.dtype), TMA=tma,
+                                                      B_T=b_t, BLOCK_M=BLOCK_M, **cfg)
+
+
+def product_share(m: int, k: int, n: int, device) -> float:
+    """The kernels' bf16 product rate over cuBLAS's on an (m, k) by (k, n) product (``w`` the transpose
+    of a row-major weight, as the model's products read it): medians of timed runs."""
+    from triton.testing import do_bench
+
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()
+    c = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    lib = do_bench(lambda: torch.mm(a, w, out=c), warmup=25, rep=100, return_mode="median")
+    return lib / do_bench(lambda: product(a, w, c), warmup=25, rep=100, return_mode="median")
+
+
 # -- symmetric memory -------------------------------------------------------------------------------
 
 HEAD = 256
