@@ -33,40 +33,18 @@ IN_PLACE_BYTES = 64 * 1024
 
 # Optimizers whose update of one element reads only that element's parameter, gradient and state,
 # so they give the same result on a shard as on the whole tensor.
-ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.Adamax,
-    torch.optim.ASGD,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-)
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
+                          torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
 
 
 class ShardedState:
     """Holds this rank's parameters and optimizer for one strategy; see the module table."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        strategy: str,
-        layouts: dict[str, ShardLayout],
-        rank: int,
-        optimizer_factory: Callable,
-        param_dtype: torch.dtype | None,
-        offload: bool = False,
-        offload_chunk_bytes: int = 64 * 2**20,
-        offload_overlap: bool = True,
-        fused: bool | None = None,
-        tp: TensorParallel | None = None,
-        reuse: ShardedState | None = None,
-        keep_model: bool = False,
-    ):
+    def __init__(self, model: nn.Module, strategy: str, layouts: dict[str, ShardLayout], rank: int,
+                 optimizer_factory: Callable, param_dtype: torch.dtype | None, offload: bool = False,
+                 offload_chunk_bytes: int = 64 * 2**20, offload_overlap: bool = True, fused: bool | None = None,
+                 tp: TensorParallel | None = None, reuse: ShardedState | None = None, keep_model: bool = False):
         self.strategy = strategy
         self.layouts = layouts
         self.rank = rank
@@ -86,7 +64,7 @@ class ShardedState:
         if offload and strategy != "zero3":
             raise ValueError(f"optimizer offload is built for zero3 so far, not {strategy}")
         if strategy == "ddp":
-            self.full = {n: p for n, p in params.items()}
+            self.full = dict(params)
             opt_tensors = [(n, p) for n, p in params.items() if p.requires_grad]
         else:
             for n, p in params.items():
@@ -107,15 +85,13 @@ class ShardedState:
             raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
         self.opt_tensors = dict(opt_tensors)
         self.grad_names = [n for n in self.names if self.trainable[n]]
-        if reuse is not None:  # the optimizer of a state made before the tp plan was known, moved over
-            self.optimizer = transplant(reuse.optimizer, reuse.opt_tensors, opt_tensors)
-        else:
-            self.optimizer = optimizer_factory(opt_tensors)
+        # reuse: the optimizer of a state made before the tp plan was known, moved over
+        self.optimizer = (transplant(reuse.optimizer, reuse.opt_tensors, opt_tensors) if reuse is not None
+                          else optimizer_factory(opt_tensors))
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer= must be a factory returning a torch.optim.Optimizer, got {type(self.optimizer).__name__}; "
-                "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
-            )
+            raise TypeError(f"optimizer= must be a factory returning a torch.optim.Optimizer, got "
+                            f"{type(self.optimizer).__name__}; "
+                            "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")
         if offload and fused:
             raise ValueError("fused_optimizer=True does not apply under offload_optimizer: the offloaded "
                              "update streams the state through the device chunk by chunk (runtime/offload.py)")
@@ -128,12 +104,10 @@ class ShardedState:
             self.streamer = StreamedOptimizer(self.optimizer, dict(opt_tensors), self.compute, self.device,
                                               offload_chunk_bytes, overlap=offload_overlap)
         if strategy != "ddp" and not _elementwise(self.optimizer):
-            raise ValueError(
-                f"{type(self.optimizer).__name__} is not known to be elementwise, so it cannot run on {strategy} "
-                f"shards (its update of one element may read others). Use one of "
-                f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}, strategy='ddp', or mark a class whose "
-                "update is elementwise with `shardwise_elementwise = True`."
-            )
+            raise ValueError(f"{type(self.optimizer).__name__} is not known to be elementwise, so it cannot run on "
+                             f"{strategy} shards (its update of one element may read others). Use one of "
+                             f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}, strategy='ddp', or mark a "
+                             "class whose update is elementwise with `shardwise_elementwise = True`.")
         if not keep_model and (tp is not None or strategy != "ddp" and (strategy == "zero3" or param_dtype is not None)):
             # the whole weights now live only as shards (and, for zero1/2, compute copies): released
             # last, once nothing above can refuse the job, so a refused job leaves the model as it was
@@ -238,13 +212,8 @@ class ShardedState:
         gathered in place, and their gathered copy (ranks times as large)."""
         if self.strategy not in ("zero1", "zero2") or ranks == 1:
             return 0
-        flat = 0
-        for n in self.names:
-            full, lay = self.full[n], self.layouts[n]
-            if not self.trainable[n]:
-                continue
-            if not self._gathers_in_place(n, group):
-                flat += lay.local_numel * full.element_size()
+        flat = sum(self.layouts[n].local_numel * self.full[n].element_size() for n in self.names
+                   if self.trainable[n] and not self._gathers_in_place(n, group))
         return (ranks + 1) * flat
 
     def full_state_dict(self, model: nn.Module, group: dist.ProcessGroup, ranks: int, keep: bool) -> dict[str, torch.Tensor]:
@@ -317,8 +286,7 @@ class TensorParallel:
         return self.ranks
 
     def dim(self, name: str) -> int | None:
-        p = self.placements.get(name)
-        return getattr(p, "dim", None)
+        return getattr(self.placements.get(name), "dim", None)
 
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """This rank's tp shard of parameter ``name`` (``p`` whole), a parameter of its own."""
@@ -414,11 +382,10 @@ def release_to_meta(model: nn.Module) -> None:
     new: dict[int, nn.Parameter] = {}
     for mod in model.modules():
         for k, p in mod._parameters.items():
-            if p is None:
-                continue
-            if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            mod._parameters[k] = new[id(p)]
+            if p is not None:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                mod._parameters[k] = new[id(p)]
 
 
 # torch optimizers with a fused kernel: one pass over parameter, gradient and state per update,
@@ -459,10 +426,8 @@ def fused_twin(opt: torch.optim.Optimizer, want: bool | None) -> torch.optim.Opt
                              "fused_optimizer=None (fuse where possible) or False")
         return opt
     takes = inspect.signature(type(opt).__init__).parameters
-    kwargs = {k: v for k, v in d.items() if k in takes}
-    kwargs.update(fused=True, foreach=None)
-    groups = [{**g, "fused": True, "foreach": None} for g in opt.param_groups]
-    fused = type(opt)(groups, **kwargs)
+    kwargs = {**{k: v for k, v in d.items() if k in takes}, "fused": True, "foreach": None}
+    fused = type(opt)([{**g, "fused": True, "foreach": None} for g in opt.param_groups], **kwargs)
     fused.register_load_state_dict_post_hook(_stay_fused)
     return fused
 
@@ -490,9 +455,5 @@ def optimizer_kind(opt: torch.optim.Optimizer) -> str:
 
 
 def _elementwise(opt: torch.optim.Optimizer) -> bool:
-    if getattr(opt, "shardwise_elementwise", False):
-        return True
-    if type(opt) in ELEMENTWISE_OPTIMIZERS:
-        # amsgrad/maximize/weight decay/momentum are elementwise too
-        return True
-    return False
+    # amsgrad/maximize/weight decay/momentum are elementwise too
+    return bool(getattr(opt, "shardwise_elementwise", False)) or type(opt) in ELEMENTWISE_OPTIMIZERS
