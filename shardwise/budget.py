@@ -50,10 +50,7 @@ class MemoryPlan:
                  budget: int | None, offload_all: bool, host_update, programs: Callable[[], list]):
         self.state, self.buffers, self.cost, self.agree, self.updater = state, buffers, cost, agree, updater
         self.device, self.group, self.ranks = device, group, ranks
-        self.budget = budget
-        self.offload_all = offload_all
-        self.host_update = host_update
-        self.programs = programs
+        self.budget, self.offload_all, self.host_update, self.programs = budget, offload_all, host_update, programs
         self.slack = 0
         """Bytes the memory model under-predicted, learned from a measured step."""
         self.replans: list[dict] = []
@@ -145,9 +142,7 @@ class MemoryPlan:
         may use; None on CPU without a budget (everything stays in the host pool)."""
         if self.budget is not None:
             return self.budget
-        if self.device.type == "cuda":
-            return budget_bytes(0.95, self.device)  # room for the allocator's rounding
-        return None
+        return budget_bytes(0.95, self.device) if self.device.type == "cuda" else None  # room: allocator rounding
 
     def plan_residency(self, prog, tensors) -> None:
         """Under offload, keep on the device the optimizer state that fits beside the step. On CUDA
@@ -179,13 +174,11 @@ class MemoryPlan:
         st = self.state.streamer
         if st is None or self.host_update is False:
             return
-        if st.grad_dtype is None:  # the host's gradient buffers are made with the plan: in the step's dtype
-            for prog in self.programs():
-                outs = prog.gm.graph.find_nodes(op="output")[0].args[0][1:]
-                vals = [getattr(o, "meta", {}).get("val") for o in outs]
-                dts = [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
-                st.grad_dtype = dts[0] if dts else None
-                break
+        if st.grad_dtype is None and (progs := self.programs()):
+            # the host's gradient buffers are made with the plan: in the step's dtype
+            outs = progs[0].gm.graph.find_nodes(op="output")[0].args[0][1:]
+            vals = [getattr(o, "meta", {}).get("val") for o in outs]
+            st.grad_dtype = next((v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
         if self.host_update != "auto":
             st.plan_host(self.cost.host, fraction=float(self.host_update))
         elif self.device.type == "cuda" and st.sliced:

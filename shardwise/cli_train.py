@@ -13,8 +13,7 @@ from .errors import size_text
 
 def train_parser(sub) -> None:
     p = sub.add_parser(
-        "train",
-        help="train a built-in model with a sharding strategy",
+        "train", help="train a built-in model with a sharding strategy",
         description="Train a built-in model. Spawns --nproc gloo ranks on this machine unless run under "
         "torchrun, where it uses NCCL on GPUs. One line per step on rank 0: loss (mean over ranks), tokens/s, "
         "per-rank peak memory (CUDA max allocated; on CPU the MemTracker live-tensor peak, measured every "
@@ -122,24 +121,13 @@ def train_main(args) -> None:
     model, seq, mp = build_model(args, mesh, **({"vocab": 256} if args.data else {}))
     from shardwise.recipes import adamw_groups, cosine_with_warmup
 
-    job = sw.compile(
-        model,
-        optimizer=lambda named: adamw_groups(named, lr=args.lr, weight_decay=0.1),
-        strategy=args.strategy,
-        mesh=mesh,
-        mixed_precision=mp,
-        compile=args.compile,
-        clip_grad_norm=args.clip,
-        timeout=args.timeout,
-        **memory_kw(args),
-        **tp_kw(args),
-    )
+    job = sw.compile(model, optimizer=lambda named: adamw_groups(named, lr=args.lr, weight_decay=0.1),
+                     strategy=args.strategy, mesh=mesh, mixed_precision=mp, compile=args.compile,
+                     clip_grad_norm=args.clip, timeout=args.timeout, **memory_kw(args), **tp_kw(args))
     job.replan_at = 4  # steps 2 and 3 are measured and profiled by this loop itself
     sched = cosine_with_warmup(job.optimizer, args.warmup, args.steps) if args.lr_schedule == "cosine" else None
-    if args.data:
-        data = ByteFile(args.data, seq, args.batch, drank, dws, args.seed)
-    else:
-        data = SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed)
+    data = (ByteFile(args.data, seq, args.batch, drank, dws, args.seed) if args.data
+            else SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed))
     n = sum(p.numel() for p in model.parameters())
     from shardwise.errors import BudgetError
     from shardwise.runtime.checkpoint import latest, prune
@@ -236,8 +224,7 @@ def train_main(args) -> None:
         peaks = torch.tensor([peak if peak is not None else -1], dtype=torch.int64)
         allp = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
         dist.all_gather(allp, peaks, group=job.ctrl)
-        if first is None:
-            first = loss_v
+        first = loss_v if first is None else first
         if rank == 0:
             mem = ""  # until a step is measured (on CPU, the second), no peak to show
             if peak_step is not None:
@@ -257,8 +244,7 @@ def train_main(args) -> None:
             if job.last_compiles:
                 extra += f"  compiled a program for this batch shape ({sum(c[2] for c in job.last_compiles):.1f} s)"
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_v:.4f}  tok/s {tok_s:9,.0f}  "
-                  f"{dt * 1e3:7.1f} ms{mem}  sent/rank {size_text(job.last_comm_bytes)}{extra}",
-                  flush=True)
+                  f"{dt * 1e3:7.1f} ms{mem}  sent/rank {size_text(job.last_comm_bytes)}{extra}", flush=True)
         if rank == 0 and job.replans and job.replans[-1]["step"] == step + 1:
             r = job.replans[-1]
             over = f", over the budget of {size_text(r['budget'])}" if r["over_budget"] else ""

@@ -11,11 +11,8 @@ import torch
 def tracked_tensors(job) -> list[torch.Tensor]:
     """The tensors a job holds between steps: whole parameters, master shards, buffers."""
     st = job.state
-    seen: dict[int, torch.Tensor] = {}
-    for t in list(st.full.values()) + list(st.master.values()) + list(job.buffers.values()):
-        if not t.is_meta:
-            seen.setdefault(id(t), t)
-    return list(seen.values())
+    held = [*st.full.values(), *st.master.values(), *job.buffers.values()]
+    return list({id(t): t for t in held if not t.is_meta}.values())
 
 
 def measure(job, fn: Callable[[], object]) -> tuple[object, int]:
@@ -28,8 +25,7 @@ def measure(job, fn: Callable[[], object]) -> tuple[object, int]:
     dev = job.mesh.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-        out = fn()
-        return out, torch.cuda.max_memory_allocated(dev)
+        return fn(), torch.cuda.max_memory_allocated(dev)
     return tracked_peak(fn, job.optimizer, *tracked_tensors(job))
 
 
@@ -70,11 +66,8 @@ def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
     def tensors(v, depth=0):
         if isinstance(v, torch.Tensor):
             yield v
-        elif depth < 4 and isinstance(v, (list, tuple)):
-            for x in v:
-                yield from tensors(x, depth + 1)
-        elif depth < 4 and isinstance(v, dict):
-            for x in v.values():
+        elif depth < 4 and isinstance(v, (list, tuple, dict)):
+            for x in v.values() if isinstance(v, dict) else v:
                 yield from tensors(x, depth + 1)
 
     def held(loc) -> dict[int, tuple[int, str]]:

@@ -2,15 +2,14 @@
 waits longer than the job's ``timeout`` finds out why and leaves with a message that names the rank
 that failed, stalled or is elsewhere, and the step.
 
-Each rank keeps a status (its last phase: ``step 6``, ``eval after step 5``, ``save``, ...; whether
-it is in it, done, or failed with which error) that a thread of its own posts to the store every
-``beat`` seconds, with the time. That thread also watches this rank's phase:
+Each rank's thread posts its status (its last phase: ``step 6``, ``eval after step 5``, ``save``, ...;
+in it, done, or failed with which error) to the store every ``beat`` seconds, and watches the phase:
 
-- a rank that raises in a phase posts its error at once; every other rank in a phase sees it
-  within a beat and leaves, naming it (the raising rank's own error reaches its caller);
-- a phase longer than its limit (``timeout``; six times that while compiling) is explained from
-  the others' statuses (no sign of life for several beats: stopped, stalled or killed; alive but
-  done with fewer steps, or in another phase) and this rank leaves.
+- a rank that raises in a phase posts its error at once; every other rank in a phase sees it within
+  a beat and leaves, naming it (the raising rank's own error reaches its caller);
+- a phase longer than its limit (``timeout``; six times that while compiling) is explained from the
+  others' statuses (silent for several beats: stopped, stalled or killed; alive but with fewer steps
+  done, or in another phase) and this rank leaves.
 
 Leaving is ``os._exit``: the main thread is blocked in a collective that Python cannot interrupt
 (NCCL's own watchdog aborts the process likewise). A collective that fails instead (gloo's
@@ -111,8 +110,7 @@ class Watchdog:
                             f"rank {self.rank} stops too (it was in {_phase(st)})")
             if limit is not None:
                 lim = limit * (COMPILE_FACTOR if compiling else 1)
-                waited = time.monotonic() - since
-                if waited > lim:
+                if time.monotonic() - since > lim:
                     self._leave(f"{_phase(st)} did not finish on rank {self.rank} within {lim:.0f} s "
                                 f"(timeout={limit:g}{f', x{COMPILE_FACTOR} while compiling' if compiling else ''}): "
                                 + self.explain(st)[1])
@@ -133,12 +131,8 @@ class Watchdog:
             return None
 
     def _statuses(self) -> dict[int, dict]:
-        out = {}
-        for r in range(self.world):
-            text = self._read(f"rank/{r}", wait=False)
-            if text is not None:
-                out[r] = json.loads(text)
-        return out
+        texts = {r: self._read(f"rank/{r}", wait=False) for r in range(self.world)}
+        return {r: json.loads(t) for r, t in texts.items() if t is not None}
 
     def explain(self, mine: dict | None = None, tries: int = 6) -> tuple[bool, str]:
         """(whether a rank was named, what the other ranks were doing, from their statuses). A rank
