@@ -134,11 +134,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--ranks", default="1,2,4", help="rank counts of the correctness checks, e.g. 2 (none: '')")
     args = p.parse_args()
     record = {"name": "fused tp kernels, one GPU", "machine": torch.cuda.get_device_name(0),
               "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
               "command": " ".join([sys.executable, *sys.argv]), "correctness": [], "speed": []}
-    for ranks in (1, 2, 4):
+    for ranks in [int(r) for r in args.ranks.split(",") if r]:
         rows = correctness(ranks)
         record["correctness"] += rows
         bad = [r for r in rows if (r[2] == "ag_gemm" and not r[7]) or r[-2] > r[-1]]
@@ -149,6 +150,11 @@ def main() -> None:
             print("  FAILED", r)
     if not args.skip_speed:
         record["speed"] = speed()
+        from shardwise.costmodel.fused import CALIBRATION_SHAPES
+        from shardwise.kernels._triton import product_share
+
+        record["calibration"] = [[*s, product_share(*s, "cuda")] for s in CALIBRATION_SHAPES]
+        print("calibrate's product shares (m, k, n, share):", record["calibration"])
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
 

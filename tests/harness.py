@@ -641,7 +641,7 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
     return losses, sd, info
 
 
-def tp_fused_kernel_run(fuse: str, steps: int = 4, dtype: torch.dtype = torch.float32):
+def tp_fused_kernel_run(fuse: str, steps: int = 4, dtype: torch.dtype = torch.float32, executor: str | None = None):
     """A small Llama (rows a multiple of the kernels' tile: batch 4 x 64 tokens) on tp=2 with sequence
     parallelism on CUDA, its tp products fused as ``fuse`` says: (losses, the fused sites' impls)."""
     import os
@@ -650,7 +650,7 @@ def tp_fused_kernel_run(fuse: str, steps: int = 4, dtype: torch.dtype = torch.fl
     torch.manual_seed(0)
     model = build("llama", "small").to(dtype).cuda()
     job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=2, device="cuda"), sequence_parallel=True,
-                     tp_fuse=fuse)
+                     tp_fuse=fuse, compile=executor)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):

@@ -328,11 +328,12 @@ def test_cuda_fused_tp_products_gloo_ranks_sharing_the_gpu(pools, sp):
 
 
 @needs_cuda
-def test_cuda_fused_tp_kernels_gloo_ranks_sharing_the_gpu(pools):
+@pytest.mark.parametrize("executor", ["fx", "inductor"])
+def test_cuda_fused_tp_kernels_gloo_ranks_sharing_the_gpu(pools, executor):
     """The Triton kernels over symmetric memory, two ranks on the one GPU: the fp32 step (products in
     IEEE fp32) trains as the unfused one does, every all-gather and reduce-scatter site on a kernel."""
-    off, _ = pools(2, "gloo").run(harness.tp_fused_kernel_run, "off")[0]
-    got, impls = pools(2, "gloo").run(harness.tp_fused_kernel_run, "kernel")[0]
+    off, _ = pools(2, "gloo").run(harness.tp_fused_kernel_run, "off", executor=executor)[0]
+    got, impls = pools(2, "gloo").run(harness.tp_fused_kernel_run, "kernel", executor=executor)[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(got, off)) <= 1e-5, (got, off)
     assert impls.count("kernel") >= 8 and set(impls) <= {"kernel", "ring"}, impls
 
