@@ -275,7 +275,7 @@ class Compiler:
             local = tp_pass.partition(*args, gather=gather)[0]
         # products beside their tp collectives fused (ring or Triton kernels) where predicted faster
         kernel = available(self.device) and (tp.fuse == "kernel" or dist.get_backend(tp.group) == "nccl")
-        tp.fuse_choice = fuse_tp.apply(local.gm, tp.fuse, self.ctx.cost, kernel)
+        tp.fuse_choice = fuse_tp.apply(local, tp.fuse, self.ctx.cost, kernel)
         return local, placements, gather
 
     def _traced_ep(self, batch, train: bool, tensors):

@@ -73,7 +73,7 @@ def _fused_graph(sp: bool, head_split: bool, mode: str = "ring", cost=None):
     kinds = lambda: Counter((collective_of(n).kind, collective_of(n).phase)  # noqa: E731
                             for n in local.gm.graph.nodes if collective_of(n))
     before = kinds()
-    rows = fuse_tp.apply(local.gm, mode, cost or CostModel.for_job(None, "cpu"), False)
+    rows = fuse_tp.apply(local, mode, cost or CostModel.for_job(None, "cpu"), False)
     fused = Counter(n.meta["tp_fused"].kind for n in local.gm.graph.nodes if "tp_fused" in n.meta)
     return before, kinds(), fused, rows, local.gm
 
@@ -90,6 +90,7 @@ def test_the_rewrite_fuses_each_product_beside_a_tp_collective():
     gradients. Without sequence parallelism every all-reduce of a product's sum is ``mm_ar``."""
     before, after, fused, rows, _ = _fused_graph(sp=True, head_split=True)
     assert fused == {"all_gather": 9, "reduce_scatter": 9} and len(rows) == 18
+    assert rows[0]["site"].endswith("-> blocks.0.attn.wq.weight,blocks.0.attn.wk.weight,blocks.0.attn.wv.weight")
     assert after == {("reduce_scatter", "fwd"): 1, ("all_gather", "bwd"): 1, ("all_reduce", "fwd"): 3,
                      ("all_reduce", "bwd"): 2}
     assert before[("all_gather", "fwd")] == before[("reduce_scatter", "fwd")] == 5

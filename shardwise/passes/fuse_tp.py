@@ -65,8 +65,16 @@ def _readers(whole: fx.Node) -> list[fx.Node]:
     return [m for r in rows for m in r.users if m.target is aten.mm.default and m.args[0] is r]
 
 
-def sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Fused, list[fx.Node]]]:
-    """(the moved value, what fusing it would run, the products it takes) for each site of ``gm``."""
+def _weight(w: fx.Node, names: dict) -> str:
+    """The parameter a product's right operand is (through views and casts), else the operand's name."""
+    while w.op == "call_function" and w.target in (*_VIEWS, aten.t.default, aten.transpose.int, aten._to_copy.default):
+        w = w.args[0]
+    return names.get(w.name, w.name)
+
+
+def sites(gm: fx.GraphModule, names: dict | None = None) -> list[tuple[fx.Node, Fused, list[fx.Node]]]:
+    """(the moved value, what fusing it would run, the products it takes) for each site of ``gm``
+    (``names``: parameter names by placeholder name, for the label)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for n in gm.graph.nodes:
@@ -88,23 +96,25 @@ def sites(gm: fx.GraphModule) -> list[tuple[fx.Node, Fused, list[fx.Node]]]:
         v = mms[0].args[0].meta["val"]
         dims = tuple((math.prod(m.meta["val"].shape[:-1]) if c.kind != "all_gather" else v.shape[0],
                       v.shape[-1], m.meta["val"].shape[-1]) for m in mms)
-        label = ",".join(str(m.args[1]) for m in mms)
+        label = ",".join(_weight(m.args[1], names or {}) for m in mms)
         out.append((n, Fused("plain", c.kind, c.full_bytes, c.ranks, dims, v.dtype.itemsize,
                              AR_CHUNKS if c.kind == "all_reduce" else 1, f"{c.reason} -> {label}"), mms))
     return out
 
 
-def apply(gm: fx.GraphModule, mode: str, cost, kernel_ok: bool) -> list[dict]:
-    """Fuse the sites of the tp-local step ``gm`` as ``mode`` says (module docstring); ``kernel_ok``:
-    the Triton kernels run here. Returns one row per site: what it moves, each implementation's
-    predicted seconds, the one taken."""
+def apply(cap, mode: str, cost, kernel_ok: bool) -> list[dict]:
+    """Fuse the sites of the tp-local step ``cap`` (a Capture) as ``mode`` says (module docstring);
+    ``kernel_ok``: the Triton kernels run here. Returns one row per site: what it moves, each
+    implementation's predicted seconds, the one taken."""
+    gm = cap.gm
     if mode not in MODES:
         raise ValueError(f"tp_fuse must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "kernel" and not kernel_ok:
         raise ValueError("tp_fuse='kernel' runs Triton kernels over symmetric memory: it needs CUDA, Triton "
                          "and torch symmetric memory; use tp_fuse='ring' (any device) or 'auto'")
     rows = []
-    found = sites(gm) if mode != "off" else []
+    phs = gm.graph.find_nodes(op="placeholder")[: cap.n_params]
+    found = sites(gm, {ph.name: n for ph, n in zip(phs, cap.param_names)}) if mode != "off" else []
     for moved, f, mms in found:
         kernel = kernel_ok and f.kind != "all_reduce" and applies(f.products[0][0] // f.ranks, f.itemsize)
         impls = ["plain", "ring"] + (["kernel"] if kernel else [])
