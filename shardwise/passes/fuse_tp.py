@@ -46,7 +46,6 @@ def _product_of(v: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     or a view of it, or ``v = u + product`` (partial sums added before their one reduction)."""
     if len(v.users) != 1:
         return None
-    addend = None
     if v.target is aten.add.Tensor and len(v.args) == 2 and not v.kwargs and all(isinstance(a, fx.Node) for a in v.args):
         for i in (0, 1):
             found = _product_of(v.args[i])
@@ -54,7 +53,7 @@ def _product_of(v: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
                 return found[0], v.args[1 - i]
         return None
     mm = v.args[0] if v.target in _VIEWS else v
-    return (mm, addend) if mm.target is aten.mm.default and len(mm.users) == 1 else None
+    return (mm, None) if mm.target is aten.mm.default and len(mm.users) == 1 else None
 
 
 def _readers(whole: fx.Node) -> list[fx.Node]:
@@ -72,9 +71,9 @@ def _weight(w: fx.Node, names: dict) -> str:
     return names.get(w.name, w.name)
 
 
-def sites(gm: fx.GraphModule, names: dict | None = None) -> list[tuple[fx.Node, Fused, list[fx.Node]]]:
-    """(the moved value, what fusing it would run, the products it takes) for each site of ``gm``
-    (``names``: parameter names by placeholder name, for the label)."""
+def sites(gm: fx.GraphModule, names: dict | None = None) -> list[tuple[fx.Node, fx.Node, Fused, list[fx.Node]]]:
+    """(the moved value, the value it was moved from, what fusing it would run, the products it
+    takes) for each site of ``gm`` (``names``: parameter names by placeholder name, for the label)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for n in gm.graph.nodes:
@@ -97,7 +96,7 @@ def sites(gm: fx.GraphModule, names: dict | None = None) -> list[tuple[fx.Node, 
         dims = tuple((math.prod(m.meta["val"].shape[:-1]) if c.kind != "all_gather" else v.shape[0],
                       v.shape[-1], m.meta["val"].shape[-1]) for m in mms)
         label = ",".join(_weight(m.args[1], names or {}) for m in mms)
-        out.append((n, Fused("plain", c.kind, c.full_bytes, c.ranks, dims, v.dtype.itemsize,
+        out.append((n, x, Fused("plain", c.kind, c.full_bytes, c.ranks, dims, v.dtype.itemsize,
                              AR_CHUNKS if c.kind == "all_reduce" else 1, f"{c.reason} -> {label}"), mms))
     return out
 
@@ -115,7 +114,8 @@ def apply(cap, mode: str, cost, kernel_ok: bool) -> list[dict]:
     rows = []
     phs = gm.graph.find_nodes(op="placeholder")[: cap.n_params]
     found = sites(gm, {ph.name: n for ph, n in zip(phs, cap.param_names)}) if mode != "off" else []
-    for moved, f, mms in found:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for moved, x, f, mms in found:
         kernel = kernel_ok and f.kind != "all_reduce" and applies(f.products[0][0] // f.ranks, f.itemsize)
         impls = ["plain", "ring"] + (["kernel"] if kernel else [])
         predicted = {i: cost.fused_time(f, i) for i in impls} if cost is not None else {}
@@ -126,7 +126,7 @@ def apply(cap, mode: str, cost, kernel_ok: bool) -> list[dict]:
             take = mode if mode in impls else "ring"
         rows.append({"site": f.label, "kind": f.kind, "bytes": f.full_bytes, "predicted": predicted, "impl": take})
         if take != "plain":
-            _rewrite(gm.graph, moved, dataclasses.replace(f, impl=take), mms)
+            _rewrite(gm.graph, moved, x, dataclasses.replace(f, impl=take), min(mms, key=order.__getitem__), mms)
     if any(r["impl"] != "plain" for r in rows):
         emit.restore_topological_order(gm.graph)
         gm.graph.lint()
@@ -136,10 +136,9 @@ def apply(cap, mode: str, cost, kernel_ok: bool) -> list[dict]:
     return rows
 
 
-def _rewrite(g: fx.Graph, moved: fx.Node, f: Fused, mms: list[fx.Node]) -> None:
-    src, dim, group, _ = moved.meta["tp_moved"]
-    x = next(n for n in g.nodes if n.name == src)
-    first = min(mms, key=lambda m: list(g.nodes).index(m))
+def _rewrite(g: fx.Graph, moved: fx.Node, x: fx.Node, f: Fused, first: fx.Node, mms: list[fx.Node]) -> None:
+    """``moved`` (``x`` moved by its collective) and the products ``mms`` made one op, where ``first`` was."""
+    _, dim, group, _ = moved.meta["tp_moved"]
     with g.inserting_before(first):
         if f.kind == "all_gather":
             fused = g.call_function(FUSED[f.kind], (x, [m.args[1] for m in mms], dim, group, f.impl))
