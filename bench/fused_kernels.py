@@ -106,8 +106,7 @@ def speed() -> list:
                         K.USE_TMA = tma
                         used = K._operands(a, w, cfg, True)[2]
 
-                        def run():
-                            K.product(a, w, c, cfg)
+                        run = K.product(a, w, c, cfg)
                         try:
                             c.fill_(float("nan"))  # poisoned: an element the kernel does not write fails the check
                             run()
@@ -124,10 +123,62 @@ def speed() -> list:
                         if best is None or ms < best["ms"]:
                             best = row
             K.USE_TMA = True
+            launcher = _launcher(kind, a, w, m, n, k)
+            best["launcher_ratio"] = cublas / do_bench(launcher, warmup=25, rep=200, return_mode="median")
+            best["launcher_host_us"] = _host_us(launcher)
             print(f"{label:14s} m={m:6d}: cuBLAS {flops / cublas / 1e9:6.1f} TFLOP/s, kernel best "
                   f"{best['tflops']:6.1f} ({best['ratio']:.3f}x; bn={best['block_n']} stages={best['stages']} "
-                  f"tma={best['tma']}), err {best['rel_err']:.1e}", flush=True)
+                  f"tma={best['tma']}), err {best['rel_err']:.1e}; whole launcher at one rank "
+                  f"{best['launcher_ratio']:.3f}x, {best['launcher_host_us']:.0f} µs of host time a call", flush=True)
     return results
+
+
+def _host_us(fn, calls: int = 50) -> float:
+    """Host microseconds per call (launches queue behind the device; synchronized before and after)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def _launcher(kind: str, a, w, m, n, k):
+    """The whole launcher at one rank (its gathered copy, or its store into the symmetric buffer and
+    the sum of the received blocks, beside the product)."""
+    from shardwise.kernels import ag_gemm, gemm_rs
+
+    name = dist.group.WORLD.group_name
+    if kind == "ag":
+        return lambda: ag_gemm.ag_gemm(a, [w], 0, name)
+    return lambda: gemm_rs.gemm_rs(a, w, None, [m, n], 0, name)
+
+
+def reduction() -> list:
+    """The GEMM+RS sum of the received blocks alone (counts already in), GB/s read and written."""
+    import triton
+    from triton.testing import do_bench
+
+    from shardwise.kernels import _triton as K
+
+    rows = []
+    for ranks, numel in ((2, 4096 * 4096), (4, 4096 * 4096), (8, 2048 * 8192)):
+        recv = torch.randn(ranks, numel, device="cuda", dtype=torch.bfloat16)
+        counts = torch.full((ranks,), 1, device="cuda", dtype=torch.int32)
+        out = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
+        ms = do_bench(lambda: K._reduce_kernel[(triton.cdiv(numel, 4096),)](recv, counts, out, numel, ranks, 1,
+                                                                              BLOCK=4096), return_mode="median")
+        ok = _rel(out, recv.float().sum(0)) < 1e-2
+        copy = do_bench(lambda: out.copy_(recv[0]), return_mode="median")
+        rows.append(dict(ranks=ranks, numel=numel, ms=ms, gbps=(ranks + 1) * numel * 2 / ms / 1e6, ok=ok,
+                         copy_gbps=2 * numel * 2 / copy / 1e6))
+        print(f"sum of {ranks} blocks of {numel * 2 / 2**20:.0f} MiB: {rows[-1]['gbps']:.0f} GB/s (a copy: "
+              f"{rows[-1]['copy_gbps']:.0f} GB/s), correct={ok}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -149,7 +200,11 @@ def main() -> None:
         for r in bad[:5]:
             print("  FAILED", r)
     if not args.skip_speed:
-        record["speed"] = speed()
+        with tempfile.TemporaryDirectory() as tmp:  # a group of one rank for the launchers
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+            record["speed"] = speed()
+            record["reduction"] = reduction()
+            dist.destroy_process_group()
         from shardwise.costmodel.fused import CALIBRATION_SHAPES
         from shardwise.kernels._triton import product_share
 

@@ -8,7 +8,8 @@
 - ``kernel``: the Triton kernels over symmetric memory (kernels/ag_gemm.py, kernels/gemm_rs.py): the
   copy engines move the shards while one persistent product runs at ``efficiency`` of the library's
   rate; all-gather+GEMM starts on the local shard, GEMM+reduce-scatter ends with a reduction of the
-  ``p`` partial blocks at memory bandwidth; two barriers a call.
+  ``p`` partial blocks at memory bandwidth; two barriers a call; never faster than its launcher's
+  host time.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ the medians of their default tiles over Llama 3 8B/70B tensor-parallel shapes on
 (``LinkProfile.fused``, on ``CALIBRATION_SHAPES``)."""
 CALIBRATION_SHAPES = ((1024, 4096, 4096), (4096, 4096, 7168), (8192, 8192, 14336))
 """(m, k, n) of one product in each class of ``KERNEL_EFFICIENCY``."""
+KERNEL_HOST_S = {"all_gather": 166e-6, "reduce_scatter": 312e-6}
+"""Host seconds a call of each kernel's launcher takes (its Python path: barriers, the symmetric
+buffer's views, Triton launches with TMA descriptors): medians over 12 Llama 3 tp shapes each on one
+H200 (124-503 and 126-525 µs; bench/results/2026-12-04-h200-fused-kernels-d.json). A call takes at
+least this long: below it the launcher, not the device, sets the pace."""
 BARRIER_S = 10e-6
 """One symmetric-memory barrier (a signal-pad exchange), seconds."""
 IMPLS = ("plain", "ring", "kernel")
@@ -82,7 +88,7 @@ def fused_s(f: Fused, impl: str, device: Device, link_time: Callable[[str, float
         eff = next(e for bound, e in (efficiency or KERNEL_EFFICIENCY) if flops <= bound)
         whole = products(1) / eff
         if f.kind == "all_gather":
-            return max(whole, whole / p + comm) + 2 * BARRIER_S
+            return max(max(whole, whole / p + comm) + 2 * BARRIER_S, KERNEL_HOST_S[f.kind])
         reduce = (p + 1) * f.full_bytes / p / device.bandwidth  # p blocks read, one written
-        return max(whole, comm) + reduce + BARRIER_S
+        return max(max(whole, comm) + reduce + BARRIER_S, KERNEL_HOST_S[f.kind])
     raise ValueError(f"unknown fused implementation {impl!r}: one of {', '.join(IMPLS)}")
