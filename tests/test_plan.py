@@ -488,14 +488,14 @@ def test_capacity_dispatch_pads_the_experts_compute_and_activations():
 
 
 def test_validation_summary_counts():
-    # bench/results/2026-11-30-plan-validation.md opens with these counts
+    # bench/results/2026-12-04-plan-validation-growth.md gives these counts (66 runs, 61 blind, 50 within
+    # 10% before llm-foundry's MPT benchmarks)
     from shardwise.planner.validation import table
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (66, 61)
-    # 51 with the closed form's ZeRO-3, 48 on its per-layer timeline, 50 with torchtitan's H100s at 500 W
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 50
+    assert (len(rows), len(blind)) == (86, 81)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 60
 
 
 @pytest.mark.parametrize("size", ["22B", "175B", "530B"])
