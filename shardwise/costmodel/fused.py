@@ -4,7 +4,7 @@
   overlapped, so the two add);
 - ``ring``: the decomposed path (kernels/ring.py): ``p`` steps (``chunks`` for an all-reduce), each
   step's products running beside the next step's transfer; a step takes the longer of the two, and
-  the products of a block of rows re-read the whole weight;
+  the products of a block of rows re-read the whole weight; each step costs the host some time too;
 - ``kernel``: the Triton kernels over symmetric memory (kernels/ag_gemm.py, kernels/gemm_rs.py): the
   copy engines move the shards while one persistent product runs at ``efficiency`` of the library's
   rate; all-gather+GEMM starts on the local shard, GEMM+reduce-scatter ends with a reduction of the
@@ -31,6 +31,9 @@ KERNEL_HOST_S = {"all_gather": 166e-6, "reduce_scatter": 312e-6}
 buffer's views, Triton launches with TMA descriptors): medians over 12 Llama 3 tp shapes each on one
 H200 (124-503 and 126-525 µs; bench/results/2026-12-04-h200-fused-kernels-d.json). A call takes at
 least this long: below it the launcher, not the device, sets the pace."""
+RING_STEP_HOST_S = 40e-6
+"""Host seconds a ring step takes at least: its point-to-point exchange issued from Python (about 30 µs
+a small collective on our H200s, timed from Python) and its product's launch."""
 BARRIER_S = 10e-6
 """One symmetric-memory barrier (a signal-pad exchange), seconds."""
 IMPLS = ("plain", "ring", "kernel")
@@ -80,9 +83,9 @@ def fused_s(f: Fused, impl: str, device: Device, link_time: Callable[[str, float
     if impl == "ring":
         if f.kind == "all_reduce":
             c, x = products(f.chunks), link_time(f.kind, f.full_bytes / f.chunks, p)
-            return c + (f.chunks - 1) * max(c, x) + x
+            return max(c + (f.chunks - 1) * max(c, x) + x, f.chunks * RING_STEP_HOST_S)
         c, x = products(p), comm / (p - 1)
-        return c + (p - 1) * max(c, x)
+        return max(c + (p - 1) * max(c, x), p * RING_STEP_HOST_S)
     if impl == "kernel":
         flops = max(2.0 * m * k * n for m, k, n in f.products)
         eff = next(e for bound, e in (efficiency or KERNEL_EFFICIENCY) if flops <= bound)
