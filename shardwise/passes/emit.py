@@ -23,12 +23,9 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
 
-COLLECTIVE_TARGETS = {
-    c10d.all_gather_into_tensor.default: "all_gather",
-    c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    c10d.all_reduce.default: "all_reduce",
-    c10d.all_to_all_single.default: "all_to_all",
-}
+COLLECTIVE_TARGETS = {c10d.all_gather_into_tensor.default: "all_gather",
+                      c10d.reduce_scatter_tensor.default: "reduce_scatter",
+                      c10d.all_reduce.default: "all_reduce", c10d.all_to_all_single.default: "all_to_all"}
 
 
 def val(node: fx.Node) -> torch.Tensor:
@@ -76,13 +73,7 @@ def retrace(gm: fx.GraphModule, local_shape) -> None:
     fakes = []
     for ph in gm.graph.find_nodes(op="placeholder"):
         v = ph.meta["val"]
-        shape = list(local_shape(ph, v.shape))
-        stride, acc = [], 1
-        for n in reversed(shape):
-            stride.append(acc)
-            acc *= max(n, 1)
-        fakes.append(mode.from_tensor(torch.empty_strided(shape, tuple(reversed(stride)), dtype=v.dtype,
-                                                          device=v.device)))
+        fakes.append(mode.from_tensor(torch.empty(list(local_shape(ph, v.shape)), dtype=v.dtype, device=v.device)))
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
@@ -126,8 +117,7 @@ def cast(g: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
 
 
 def contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
-    v = val(x)
-    if v.is_contiguous():
+    if (v := val(x)).is_contiguous():
         return x
     return node(g, aten.clone.default, (x,), fake(v.shape, v.dtype, v.device), memory_format=torch.contiguous_format)
 
@@ -154,30 +144,24 @@ def start_and_wait(g, target, args, out_shape, dtype, device, c: Collective, sta
     return node(g, WAIT, (start,), fake(out_shape, dtype, device))
 
 
-def all_gather(
-    g: fx.Graph, shard: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, phase: str = "fwd",
-    stage: str | None = None, axis: str = "dp",
-) -> fx.Node:
+def all_gather(g: fx.Graph, shard: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None,
+               phase: str = "fwd", stage: str | None = None, axis: str = "dp") -> fx.Node:
     """Full parameter (``layout.shape``) from this rank's padded ``Shard(0)`` piece (over mesh ``axis``)."""
     v = val(shard)
     if layout.ranks == 1:
         return reshape(g, shard, layout.shape)
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
     c = collective("all_gather", nbytes, layout.ranks, phase, (param,) if param else (), axis=axis)
-    out = start_and_wait(
-        g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ranks, group), layout.padded_shape,
-        v.dtype, v.device, c, stage,
-    )
+    out = start_and_wait(g, c10d.all_gather_into_tensor.default, (contiguous(g, shard), layout.ranks, group),
+                         layout.padded_shape, v.dtype, v.device, c, stage)
     if layout.pad_rows:
         rows = layout.shape2[0]
         out = node(g, aten.slice.Tensor, (out, 0, 0, rows), fake((rows, *layout.shape2[1:]), v.dtype, v.device))
     return reshape(g, out, layout.shape)
 
 
-def reduce_scatter(
-    g: fx.Graph, full: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None, op: str = "avg",
-    stage: str | None = None, axis: str = "dp",
-) -> fx.Node:
+def reduce_scatter(g: fx.Graph, full: fx.Node, layout: ShardLayout, group: str, *, param: str | None = None,
+                   op: str = "avg", stage: str | None = None, axis: str = "dp") -> fx.Node:
     """This rank's ``Shard(0)`` piece of the ``op``-reduction of ``full`` over the group (of mesh ``axis``)."""
     v = val(full)
     x = reshape(g, full, layout.shape2)
@@ -188,16 +172,12 @@ def reduce_scatter(
         x = node(g, aten.constant_pad_nd.default, (x, pad, 0.0), fake(layout.padded_shape, v.dtype, v.device))
     nbytes = math.prod(layout.padded_shape) * v.dtype.itemsize
     c = collective("reduce_scatter", nbytes, layout.ranks, "bwd", (param,) if param else (), axis=axis)
-    return start_and_wait(
-        g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ranks, group), layout.local_shape,
-        v.dtype, v.device, c, stage,
-    )
+    return start_and_wait(g, c10d.reduce_scatter_tensor.default, (contiguous(g, x), op, layout.ranks, group),
+                          layout.local_shape, v.dtype, v.device, c, stage)
 
 
-def all_reduce_many(
-    g: fx.Graph, xs: list[fx.Node], ranks: int, group: str, *, op: str = "avg", phase: str = "bwd", params=(),
-    stage: str | None = None, axis: str = "dp",
-) -> list[fx.Node]:
+def all_reduce_many(g: fx.Graph, xs: list[fx.Node], ranks: int, group: str, *, op: str = "avg", phase: str = "bwd",
+                    params=(), stage: str | None = None, axis: str = "dp") -> list[fx.Node]:
     """All-reduce several same-dtype tensors as one flat bucket (on mesh ``axis``); returns the reduced tensors."""
     if ranks == 1:
         return list(xs)
@@ -212,11 +192,8 @@ def all_reduce_many(
     if len(xs) == 1:
         return [reshape(g, red, vs[0].shape)]
     parts = node(g, aten.split_with_sizes.default, (red, sizes))
-    outs = []
-    for i, (v, n) in enumerate(zip(vs, sizes)):
-        piece = node(g, operator.getitem, (parts, i), fake([n], dtype, device))
-        outs.append(reshape(g, piece, v.shape))
-    return outs
+    return [reshape(g, node(g, operator.getitem, (parts, i), fake([n], dtype, device)), v.shape)
+            for i, (v, n) in enumerate(zip(vs, sizes))]
 
 
 def sum_after_last(g: fx.Graph, xs: list[fx.Node], ranks: int, group: str, *, axis: str, params=(),

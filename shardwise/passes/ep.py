@@ -191,11 +191,9 @@ def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | Non
 
 def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
               plan=None, shard_shared: bool = False, split: int = 1) -> tuple[Capture, dict[str, Shard]]:
-    """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring);
-    with ``shard_shared`` (a ZeRO strategy on dp), the other parameters sharded over ep too
-    (``_shard_shared``); where the step was traced on ``split`` parts of the batch, their work
-    interleaved (``interleave``). Returns (its Capture, each split parameter's placement on the ep
-    axis: ``Shard(0)``)."""
+    """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring;
+    ``shard_shared`` and ``split``: ``_finish_local``). Returns (its Capture, each split parameter's
+    placement on the ep axis: ``Shard(0)``)."""
     from ..capture import forward_nodes
 
     counts = experts_of(cap, ranks, plan)
@@ -268,12 +266,11 @@ def _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared: boo
 
 
 def _shard_shared(g: fx.Graph, params: dict, counts: dict, ranks: int, group: str, stage) -> dict:
-    """ZeRO of the other (non-expert) parameters over the ep axis as well, so that with the dp
-    strategy's own it is over dp x ep, every rank holding ``1/(dp*ep)``: each one whose dim 0 the ep
-    ranks divide enters as this rank's ``Shard(0)`` rows on ep and is all-gathered over ep right
-    before its first reader (zero3 gives its backward readers a gather of their own, as it does its
-    dp gather); its gradient is reduce-scattered over ep (``_mean_over_ranks``). Two gathers, over dp
-    then ep, send what one over dp x ep would. Returns {name: its ep layout}."""
+    """ZeRO of the other (non-expert) parameters over the ep axis too, so that with the dp strategy's it
+    is over dp x ep (each rank holds ``1/(dp*ep)``): each one whose dim 0 the ep ranks divide enters as
+    this rank's ``Shard(0)`` rows on ep, all-gathered over ep right before its first reader (zero3 gives
+    its backward readers their own gather); its gradient is reduce-scattered over ep. Two gathers, over
+    dp then ep, send what one over dp x ep would. Returns {name: its ep layout}."""
     order = {n: i for i, n in enumerate(g.nodes)}
     out = {}
     for ph, name in params.items():
@@ -432,12 +429,10 @@ def add_rank_buffers(model, ranks: int, rank: int, capacity: float | str | None 
 
 
 def capacity_dispatch(m, hidden, top_k_index, top_k_weights, factor: float, ranks: int, group):
-    """Hugging Face experts ``m`` (this rank's ``E/ranks`` of them) under GShard's capacity rule: each
-    expert takes at most ``ceil(factor * tokens * k / E)`` of this rank's (token, choice) pairs, first
-    choices before second ones, in token order; a pair past capacity adds nothing. The kept pairs go
-    to their experts' ranks by one all-to-all into ``[E, capacity, d]`` blocks and come back by
-    another; the experts run their own implementation on every rank's slots of theirs. With
-    ``ranks == 1`` (no ``group``), the same rule on one device."""
+    """Hugging Face experts ``m`` (this rank's ``E/ranks`` of them) under GShard's capacity rule (as the
+    built-in MoE's, models/moe.py): the kept pairs go to their experts' ranks by one all-to-all into
+    ``[E, capacity, d]`` blocks and come back by another; the experts run their own implementation on
+    every rank's slots of theirs. With ``ranks == 1`` (no ``group``), the same rule on one device."""
     import math
 
     import torch.nn.functional as F

@@ -40,10 +40,8 @@ shards are added into running sums. See passes/accumulate.py."""
 def shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str = "step") -> Program:
     """Rewrite a captured step for ``strategy`` on the data-parallel axis described by ``ctx``.
 
-    The products' SM carveout (``ctx.sm_carveout``) is applied last, to the program every choice
-    (buckets, in-flight cap, memory plan) settled on: those choices are simulated without SM
-    contention, where carving only costs, so carving the candidates would steer them away from
-    overlap."""
+    The SM carveout (``ctx.sm_carveout``) comes last: the choices before it are simulated without SM
+    contention, where carving only costs, so carving the candidates would steer them away from overlap."""
     prog = _shard_step(cap, strategy, ctx, mode)
     if ctx.sm_carveout:
         if ctx.cost is None:
@@ -149,15 +147,13 @@ def _peak_limit(ctx: ShardContext, base: int) -> float:
 
 
 def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: int | None) -> Program:
-    """Schedule ``prog`` for latency hiding, then finish it (``_after_schedule``). The cap on bytes
-    in flight is ``ctx.max_in_flight`` if set; else, where ``_sweeps`` and ``sweep``, the cap among
-    ``CAP_FACTORS`` times the largest payload that the cost model predicts fastest (within
-    ``CAP_TIE``; ties to the smaller) of those whose predicted peak stays within
-    ``_peak_limit`` of ``ref_peak`` and under ``ctx.peak_limit``; else twice the largest
-    payload. Each cap is judged on the finished program. A larger cap issues all-gathers further
-    ahead: what a layer whose weights take longer to gather than to use needs (an MoE's experts), at
-    the price of the gathered weights living longer. The same graph gives the same choice on every
-    rank (roofline and link profile, no measurements)."""
+    """Schedule ``prog`` for latency hiding, then finish it (``_after_schedule``). The cap on bytes in
+    flight is ``ctx.max_in_flight`` if set; else, where ``_sweeps`` and ``sweep``, the one of
+    ``CAP_FACTORS`` times the largest payload predicted fastest on the finished program (within
+    ``CAP_TIE``, ties to the smaller) whose peak stays within ``_peak_limit`` of ``ref_peak`` and under
+    ``ctx.peak_limit``; else twice the largest payload. A larger cap gathers further ahead (what an
+    MoE's experts need), at the price of gathered weights living longer. Roofline and link profile
+    only: the same choice on every rank."""
     largest = max(schedule.payload(s) for s in starts)
     if not (sweep and _sweeps(ctx)):
         prog.schedule = schedule.schedule(prog.gm, ctx.max_in_flight or 2 * largest, ctx.max_ops_in_flight)
@@ -177,9 +173,8 @@ def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: i
     fastest = min(r[1] for r in rows[:len(tried)])
     i = next(j for j in range(len(tried)) if rows[j][1] <= fastest * (1 + CAP_TIE))
     rows[i][3] = True
-    chosen = tried[i]
-    chosen.schedule["cap_choice"] = [tuple(r) for r in rows]
-    return chosen
+    tried[i].schedule["cap_choice"] = [tuple(r) for r in rows]
+    return tried[i]
 
 
 def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Program:
@@ -219,10 +214,8 @@ def _rewrite(cap: Capture, gm, strategy: str, ctx: ShardContext, mode: str) -> P
     if strategy == "ddp":
         return ddp.apply(cap, gm, ctx)
     if strategy in ("zero1", "zero2"):
-        prog = zero.apply_zero12(cap, gm, ctx, strategy)
-    else:
-        prog = zero.apply_zero3(cap, gm, ctx)
-    return prog
+        return zero.apply_zero12(cap, gm, ctx, strategy)
+    return zero.apply_zero3(cap, gm, ctx)
 
 
 __all__ = ["CAP_FACTORS", "CAP_TIE", "MODES", "Program", "STRATEGIES", "ShardContext", "shard_step"]

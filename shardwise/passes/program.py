@@ -144,8 +144,7 @@ class Program:
         """Collectives of the program by kind (all-gathers, reduce-scatters and all-reduces always,
         all-to-alls where there are any); ``axis``: only those over that mesh axis."""
         out = {k: 0 for k in ("all_gather", "reduce_scatter", "all_reduce")}
-        for n in self.collective_nodes():
-            c = collective_of(n)
+        for c in map(collective_of, self.collective_nodes()):
             if axis is None or c.axis == axis:
                 out[c.kind] = out.get(c.kind, 0) + 1
         return out
@@ -174,8 +173,7 @@ def cast_placeholders(gm: fx.GraphModule, phs: list[fx.Node], store_dtype: torch
             continue
         compute = v.dtype
         ph.meta["val"] = emit.fake(v.shape, store_dtype, v.device)
-        first = next(iter(ph.users), None)
-        if first is None:
+        if not ph.users:
             continue
         with g.inserting_before(ph.next):
             c = emit.cast(g, ph, compute)
@@ -192,9 +190,7 @@ def average_loss(gm: fx.GraphModule, ctx: ShardContext) -> None:
         flat = emit.reshape(g, loss, [1])
         (red,) = emit.all_reduce_many(g, [flat], ctx.dp, ctx.group, op="avg", phase="fwd", stage=ctx.stage)
         new = emit.reshape(g, red, [])
-    outs = list(out.args[0])
-    outs[0] = new
-    out.args = (outs,)
+    out.args = ([new, *out.args[0][1:]],)
 
 
 def set_outputs(gm: fx.GraphModule, loss: fx.Node, grads: list[fx.Node]) -> None:

@@ -3,17 +3,14 @@
 A list scheduler over the program's node order, in the spirit of XLA's latency-hiding scheduler:
 
 - all-gathers (with the cast/copy chain that feeds them from a shard placeholder) are *prefetched*:
-  issued, in their original order, as early as the in-flight cap allows — across the
-  forward/backward boundary too; the second gather of a two-axis one (ep's after zero3's dp gather)
-  follows its first, which it lets run under some compute before waiting it;
-- reduce-scatters and all-reduces start where their input is produced (the strategy pass put them
-  there);
-- every wait moves down to just before the first node that reads its result, unless the cap forces
-  the oldest outstanding collective to be waited for earlier.
+  issued in their original order as early as the in-flight cap allows, across the forward/backward
+  boundary too; the second gather of a two-axis one (ep's after zero3's dp gather) follows its first;
+- reduce-scatters and all-reduces start where their input is produced (the strategy pass put them there);
+- every wait moves down to just before the first reader of its result, unless the cap forces the
+  oldest outstanding collective to be waited for earlier.
 
-The result is a deterministic function of the input graph and the cap, so every rank issues the
-same collectives in the same order (DESIGN.md invariant 2). The order is pinned in the graph's
-node order, which the FX executor follows as written.
+Deterministic in the input graph and the cap, so every rank issues the same collectives in the same
+order (DESIGN.md invariant 2), pinned in the graph's node order, which the FX executor follows.
 """
 
 from __future__ import annotations
@@ -175,11 +172,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
                     issue_prefetch(until=s)
                 wait_for(s)
         if n.op == "call_function" and n.target in emit.COLLECTIVE_TARGETS:
-            while in_flight and full(payload(n)):
-                wait_for(in_flight[0])
-            place(n)
-            in_flight.append(n)
-            flight += payload(n)
+            start(n, [])  # not prefetched: started where its pass put it
         else:
             place(n)
             fresh.clear()

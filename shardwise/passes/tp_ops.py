@@ -6,12 +6,10 @@ log-softmax and loss on class shards (a vocab-parallel head, as Megatron's).
   so the ranks' losses add up to the mean; the count, whole, is what the gradient divides by.
 - ``_log_softmax`` on classes in shards: the max and the sum of exponentials are reduced over the
   axis (two all-reduces of one value per row); its backward reduces its sum over the classes alike.
-- ``nll_loss_forward``/``nll_loss_backward`` on classes in shards: each rank picks (and gives the
-  gradient to) the targets among its classes, found with this rank's class indices
-  (``tp_index_<classes>``); the loss is a partial sum, the count of targets whole on every rank.
-- ``embedding`` of a table cut by rows (a vocab-parallel embedding): each rank looks up the tokens
-  among its rows (shifted by its first row) and gives zeros for the others, a partial sum;
-  ``embedding_dense_backward`` adds the gradients of those tokens alone into its rows.
+- ``nll_loss_forward``/``nll_loss_backward`` on classes in shards: each rank picks (and gives the gradient
+  to) the targets among its classes (``tp_index_<classes>``); the loss is a partial sum, the count whole.
+- ``embedding`` of a table cut by rows (vocab-parallel): each rank looks up the tokens among its rows
+  and gives zeros for the others, a partial sum; its backward adds those tokens' gradients alone.
 """
 
 from __future__ import annotations
@@ -56,6 +54,13 @@ def rewrite(g: fx.Graph, pl: dict, fwd: set, ranks: int, group: str, stage, inde
         elif n.target is aten._log_softmax_backward_data.default and pl.get(n) == pl.get(n.args[0]) and \
                 isinstance(pl.get(n), Shard) and n.args[2] % x.meta["val"].dim() == pl[n].dim:
             pl[_log_softmax_backward_on_classes(g, n, reduce, phase)] = pl[n]
+
+
+def _swap(g, n, out):
+    """``out`` in place of ``n``, which is erased."""
+    n.replace_all_uses_with(out)
+    g.erase_node(n)
+    return out
 
 
 def _replace_outputs(g, n, out, tw):
@@ -108,9 +113,7 @@ def _nll_backward_on_classes(g, n, index_of):
         step = emit.node(g, aten.div.Tensor, (grad, tw), grad.meta["val"]) if reduction == 1 else grad
         neg = emit.node(g, aten.neg.default, (step,), grad.meta["val"])
         out = emit.node(g, aten.where.ScalarOther, (hit, neg, 0.0), xv)
-    n.replace_all_uses_with(out)
-    g.erase_node(n)
-    return out
+    return _swap(g, n, out)
 
 
 def _log_softmax_on_classes(g, n, reduce, phase):
@@ -126,9 +129,7 @@ def _log_softmax_on_classes(g, n, reduce, phase):
         s = reduce(s_l, "sum", phase, "row sum of exponentials of the log-softmax over class shards")
         lse = emit.node(g, aten.log.default, (s,), emit.fake(row, v.dtype, v.device))
         out = emit.node(g, aten.sub.Tensor, (shifted, lse), n.meta["val"])
-    n.replace_all_uses_with(out)
-    g.erase_node(n)
-    return out
+    return _swap(g, n, out)
 
 
 def _log_softmax_backward_on_classes(g, n, reduce, phase):
@@ -141,9 +142,7 @@ def _log_softmax_backward_on_classes(g, n, reduce, phase):
         p = emit.node(g, aten.exp.default, (out,), out.meta["val"])
         ps = emit.node(g, aten.mul.Tensor, (p, s), v)
         res = emit.node(g, aten.sub.Tensor, (grad, ps), n.meta["val"])
-    n.replace_all_uses_with(res)
-    g.erase_node(n)
-    return res
+    return _swap(g, n, res)
 
 
 def _mine(g, idx, rows: int, ranks: int, index_of, padding_idx: int = -1):
@@ -171,9 +170,7 @@ def _lookup_on_rows(g, n, ranks, index_of):
         col, safe = _mine(g, idx, w.meta["val"].shape[0], ranks, index_of)
         out = emit.node(g, aten.embedding.default, (w, safe, *n.args[2:]), v)
         res = emit.node(g, aten.where.ScalarOther, (col, out, 0.0), v)
-    n.replace_all_uses_with(res)
-    g.erase_node(n)
-    return res
+    return _swap(g, n, res)
 
 
 def _lookup_backward_on_rows(g, n, ranks, index_of):
@@ -187,6 +184,4 @@ def _lookup_backward_on_rows(g, n, ranks, index_of):
         masked = emit.node(g, aten.where.ScalarOther, (col, grad, 0.0), gv)
         # the whole row count: the partition's local sizes divide it by the ranks (a table cut by rows)
         out = emit.node(g, aten.embedding_dense_backward.default, (masked, safe, rows, -1, False), n.meta["val"])
-    n.replace_all_uses_with(out)
-    g.erase_node(n)
-    return out
+    return _swap(g, n, out)
