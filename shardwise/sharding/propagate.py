@@ -79,12 +79,10 @@ class Propagation:
     def collectives(self) -> list[Reshard]:
         """The reshards as the partitioner inserts them: one per value and placement it is moved to
         (readers that need the same value alike share it), in graph order."""
-        seen, out = set(), []
+        first: dict = {}
         for r in self.reshards:
-            if (r.arg, r.dst) not in seen:
-                seen.add((r.arg, r.dst))
-                out.append(r)
-        return out
+            first.setdefault((r.arg, r.dst), r)
+        return list(first.values())
 
     def count(self, kind: str) -> int:
         """Collectives of ``kind`` the partitioner inserts."""

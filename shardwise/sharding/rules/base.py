@@ -31,12 +31,8 @@ def dim(d: int, ndim: int) -> int:
 
 def tensors(node: fx.Node) -> list[fx.Node]:
     """The node's tensor inputs, in argument order (lists flattened)."""
-    out = []
-    for a in node.args:
-        for x in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(x, fx.Node) and val(x) is not None:
-                out.append(x)
-    return out
+    return [x for a in node.args for x in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(x, fx.Node) and val(x) is not None]
 
 
 def outputs_like(node: fx.Node, p):

@@ -19,21 +19,22 @@ from .base import R, dim, outputs_like, tensors, val
 aten = torch.ops.aten
 
 
-def _keep_partial(rule):
+def _on_shards(rule):
+    """``rule`` for an input in a ``Shard``; a partial or replicated input passes through as it is."""
     def wrapped(node, place, ranks):
-        x = node.args[0]
-        if isinstance(place(x), Partial):
+        p = place(node.args[0])
+        if isinstance(p, Partial):
             return {}, outputs_like(node, Partial())
+        if not isinstance(p, Shard):
+            return {}, outputs_like(node, p)
         return rule(node, place, ranks)
 
     return wrapped
 
 
-@_keep_partial
+@_on_shards
 def transpose(node, place, ranks):
     x, p = node.args[0], place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
     nd = val(x).dim()
     if node.target is aten.t.default:
         perm = [1, 0] if nd == 2 else [0]
@@ -46,20 +47,16 @@ def transpose(node, place, ranks):
     return {}, p.moved(perm.index(p.dim))
 
 
-@_keep_partial
+@_on_shards
 def unsqueeze(node, place, ranks):
     p = place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
     d = dim(node.args[1], val(node).dim())
     return {}, p.moved(p.dim + (p.dim >= d))
 
 
-@_keep_partial
+@_on_shards
 def squeeze(node, place, ranks):
     x, p = node.args[0], place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
     shape = val(x).shape
     if node.target is aten.squeeze.default:
         gone = [i for i, s in enumerate(shape) if s == 1]
@@ -69,11 +66,9 @@ def squeeze(node, place, ranks):
     return {}, p.moved(p.dim - sum(g < p.dim for g in gone))
 
 
-@_keep_partial
+@_on_shards
 def expand(node, place, ranks):
     p = place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
     return {}, p.moved(p.dim + val(node).dim() - val(node.args[0]).dim())
 
 
@@ -117,67 +112,48 @@ def reshape_map(src: tuple, dst: tuple, p: Shard, ranks: int) -> Shard | None:
     return None
 
 
-@_keep_partial
+@_on_shards
 def reshape(node, place, ranks):
     x, p = node.args[0], place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
     out = reshape_map(tuple(val(x).shape), tuple(val(node).shape), p, ranks)
-    if out is None:
-        return {x: R}, R
-    return {}, out
+    return ({x: R}, R) if out is None else ({}, out)
 
 
-@_keep_partial
+@_on_shards
 def slice_(node, place, ranks):
     x, p = node.args[0], place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
-    nd = val(x).dim()
-    d = dim(node.args[1] if len(node.args) > 1 else 0, nd)
-    if d == p.dim and tuple(val(node).shape) != tuple(val(x).shape):
-        return {x: R}, R
-    return {}, p
+    d = dim(node.args[1] if len(node.args) > 1 else 0, val(x).dim())
+    return ({x: R}, R) if d == p.dim and tuple(val(node).shape) != tuple(val(x).shape) else ({}, p)
 
 
-@_keep_partial
+@_on_shards
 def select(node, place, ranks):
     x, p = node.args[0], place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
     d = dim(node.args[1], val(x).dim())
-    if d == p.dim:
-        return {x: R}, R
-    return {}, p.moved(p.dim - (p.dim > d))
+    return ({x: R}, R) if d == p.dim else ({}, p.moved(p.dim - (p.dim > d)))
 
 
-@_keep_partial
+@_on_shards
 def split(node, place, ranks):
     x, p = node.args[0], place(node.args[0])
-    if isinstance(p, Shard):
-        d = dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), val(x).dim())
-        if d == p.dim:
-            sizes = [v.shape[d] for v in node.meta["val"]]
-            if p.groups > 1 and len(sizes) == p.groups and len(set(sizes)) == 1:
-                return {}, outputs_like(node, Shard(d))  # the blocks apart: q, k and v each cut alike
-            return {x: R}, outputs_like(node, R)
+    d = dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), val(x).dim())
+    if d == p.dim:
+        sizes = [v.shape[d] for v in node.meta["val"]]
+        if p.groups > 1 and len(sizes) == p.groups and len(set(sizes)) == 1:
+            return {}, outputs_like(node, Shard(d))  # the blocks apart: q, k and v each cut alike
+        return {x: R}, outputs_like(node, R)
     return {}, outputs_like(node, p)
 
 
-@_keep_partial
+@_on_shards
 def slice_backward(node, place, ranks):
     """The gradient of a slice (or select) laid into zeros of the input's size: a shard on another
     dim passes (the sizes become the local ones)."""
     g, p = node.args[0], place(node.args[0])
-    if not isinstance(p, Shard):
-        return {}, p
-    nd = len(node.args[1])
-    d = dim(node.args[2], nd)
+    d = dim(node.args[2], len(node.args[1]))
     if node.target is aten.select_backward.default:
         return {}, p.moved(p.dim + (p.dim >= d))  # the selected dim comes back
-    if d == p.dim:
-        return {g: R}, R
-    return {}, p
+    return ({g: R}, R) if d == p.dim else ({}, p)
 
 
 def indexed(node, place, ranks):
