@@ -3,12 +3,11 @@
 Layout of ranks (Megatron's): tensor parallel innermost (inside a node), then pipeline stages,
 then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 
-- compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward
-  under full recomputation, all of it but each dense layer's down projection under block, the
-  attention core under selective) over the GPUs, at the accelerator's
-  fitted share of the datasheet peak (costmodel.Device.efficiency), plus the memory-bound
-  kernels' bytes (norms, activations, residual adds, unfused attention scores:
-  models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth;
+- compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward under
+  full recomputation, all of it but each dense layer's down projection under block, the attention core
+  under selective) over the GPUs, at the accelerator's fitted share of the datasheet peak
+  (costmodel.Device.efficiency), plus the memory-bound kernels' bytes (norms, activations, residual
+  adds, unfused attention scores: models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth;
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
   forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
   same bytes), two more under full recomputation (block: one, 1.5 with sequence parallelism, where

@@ -71,15 +71,13 @@ class ModelSpec:
     def head_params(self) -> int:
         return 0 if self.tied else self.vocab * self.hidden
 
-    def params(self) -> int:
-        """All parameters."""
+    def params(self, active: bool = False) -> int:
+        """All parameters; ``active``: those one token passes through (MoE: ``top_k`` experts per layer)."""
         final_norm = self.hidden * (2 if self.bias else 1)
-        return self.embedding_params() + self.head_params() + self.layers * self.layer_params() + final_norm
+        return self.embedding_params() + self.head_params() + self.layers * self.layer_params(active) + final_norm
 
     def active_params(self) -> int:
-        """Parameters one token passes through (MoE: ``top_k`` experts per layer)."""
-        final_norm = self.hidden * (2 if self.bias else 1)
-        return self.embedding_params() + self.head_params() + self.layers * self.layer_params(True) + final_norm
+        return self.params(active=True)
 
     def flops_per_token(self, seq: int | None = None) -> float:
         """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is

@@ -23,11 +23,7 @@ VIRTUAL = (1, 2, 3, 4)
 
 
 def _powers(limit: int) -> list[int]:
-    out, p = [], 1
-    while p <= limit:
-        out.append(p)
-        p *= 2
-    return out
+    return [1 << i for i in range(max(limit, 0).bit_length())]  # 1, 2, 4, ... up to limit
 
 
 def _divisors(n: int, limit: int) -> list[int]:

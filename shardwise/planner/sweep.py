@@ -20,10 +20,7 @@ def parse(spec: str) -> tuple[str, list]:
     if key not in AXES or not vals:
         raise ValueError(f"--sweep {spec!r}: use AXIS=V1,V2,... with AXIS one of {', '.join(AXES)}, or a built-in "
                          "sweep: grad-sync, latency")
-    out = []
-    for v in vals.split(","):
-        out.append(v if key in ("cluster", "model", "recompute") else int(v))
-    return key, out
+    return key, [v if key in ("cluster", "model", "recompute") else int(v) for v in vals.split(",")]
 
 
 def run(key: str, values: list, m: ModelSpec, cluster_spec: str, st: Strategy, fabric: str | None = None) -> list[dict]:
@@ -54,11 +51,9 @@ def grad_sync(m: ModelSpec) -> list[dict]:
              ("8 TPU v5p chips (2x2x2 torus)", "tpu-v5p:2x2x2", 1),
              ("8 TPU v4 chips (2x2x2 torus)", "tpu-v4:2x2x2", 1),
              ("8 H100 in 8 nodes (InfiniBand NDR)", "dgx-h100:8", 8)]
-    rows = []
-    for label, spec, inner in cases:
-        t = cluster(spec).collective_s("all_reduce", nbytes, 8, inner)
-        rows.append({"interconnect": label, "grad_gb": nbytes / 1e9, "all_reduce_s": t})
-    return rows
+    return [{"interconnect": label, "grad_gb": nbytes / 1e9,
+             "all_reduce_s": cluster(spec).collective_s("all_reduce", nbytes, 8, inner)}
+            for label, spec, inner in cases]
 
 
 def latency(models=("llama3-8b", "llama3-70b", "llama3-405b"), gpus=(8, 64, 512, 4096), bucket_mb: float = 25.0,

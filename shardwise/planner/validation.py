@@ -115,10 +115,8 @@ def _load() -> dict:
         m = models.get(row["model"]) or model(row["model"])
         return m, Strategy(**row["strategy"])
 
-    runs = []
-    for r in d["run"]:
-        m, st = spec(r)
-        runs.append(Run(r["label"], m, r["cluster"], st, _step_s(r, m, st), r["source"], r.get("fitted", False)))
+    runs = [Run(r["label"], m, r["cluster"], st, _step_s(r, m, st), r["source"], r.get("fitted", False))
+            for r in d["run"] for m, st in [spec(r)]]
     mem = [MemoryRun(r["label"], m, r["cluster"], st, r["peak_gb"], r["source"])
            for r in d["memory"] for m, st in [spec(r)]]
     col = [CollectiveRun(r["label"], r["cluster"], r["kind"], r["gpus"], r["busbw_gbs"] * 1e9, r["source"],
@@ -202,12 +200,10 @@ def memory_markdown(rows: list[dict]) -> str:
 
 
 def table(runs: list[Run] | None = None) -> list[dict]:
-    rows = []
-    for r in _load()["runs"] if runs is None else runs:
-        e = estimate(r.model, cluster(r.cluster), r.strategy)
-        rows.append({"run": r.label, "measured_s": r.measured_step_s, "predicted_s": e.step_s,
-                     "error": e.step_s / r.measured_step_s - 1, "fitted": r.fitted, "source": r.source})
-    return rows
+    return [{"run": r.label, "measured_s": r.measured_step_s, "predicted_s": e.step_s,
+             "error": e.step_s / r.measured_step_s - 1, "fitted": r.fitted, "source": r.source}
+            for r in (_load()["runs"] if runs is None else runs)
+            for e in [estimate(r.model, cluster(r.cluster), r.strategy)]]
 
 
 def summary(rows: list[dict]) -> str:
