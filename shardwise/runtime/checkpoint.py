@@ -46,11 +46,6 @@ FORMAT = 1
 """What ``job.meta`` records; a checkpoint of another format is refused by name."""
 
 
-def _mesh(job):
-    dm = job.mesh.device_mesh
-    return dm["dp"] if len(dm.mesh_dim_names) > 1 else dm
-
-
 class Pieces:
     """A tensor of whole shape ``size`` of which this rank holds ``chunks``: (global offsets, tensor)
     each, the tensor a view of the job's own storage. How a checkpoint describes a tensor cut on the
@@ -188,10 +183,10 @@ def _real(job, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _dtensor(job, name: str, t: torch.Tensor) -> DTensor:
-    lay = job.layouts[name]
-    whole = torch.Size(lay.shape2)
+    whole, dm = torch.Size(job.layouts[name].shape2), job.mesh.device_mesh
     place = [Replicate()] if job.strategy == "ddp" else [Shard(0)]
-    return DTensor.from_local(_real(job, name, t), _mesh(job), place, run_check=False, shape=whole,
+    return DTensor.from_local(_real(job, name, t), dm["dp"] if len(dm.mesh_dim_names) > 1 else dm, place,
+                              run_check=False, shape=whole,
                               stride=torch.empty(whole, device="meta").stride())
 
 
@@ -234,11 +229,6 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state(st["cuda"])
 
 
-def _extra_state(extra: dict | None) -> dict:
-    return {k: v.state_dict() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
-            for k, v in (extra or {}).items()}
-
-
 def state_dict(job, extra: dict | None = None) -> dict:
     """This rank's part of the job's state, for ``dcp.save`` (module docstring)."""
     job.updater.drain()
@@ -263,7 +253,8 @@ def state_dict(job, extra: dict | None = None) -> dict:
                         "lists and strings") from None
     buffers = {n: t.detach() for n, t in _persistent_buffers(job).items()}  # the same on every rank
     try:
-        packed = _pack(_extra_state(extra))
+        packed = _pack({k: v.state_dict() if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") else v
+                        for k, v in (extra or {}).items()})
     except Exception as e:  # noqa: BLE001 - named
         raise TypeError(f"extra= of a checkpoint holds what torch.save cannot write ({e}): give objects with "
                         "state_dict()/load_state_dict(), tensors, numbers, strings, lists and dicts") from None
@@ -524,10 +515,8 @@ def wait_saves(job) -> None:
 
 
 def save(job, path: str, extra: dict | None = None, blocking: bool = True):
-    """Write the job's state to the directory ``path`` (a collective), atomically: under
-    ``<path>.partial`` first, renamed to ``path`` once complete (an older one there is replaced
-    only then). Returns ``path``; with ``blocking=False`` a ``PendingSave`` (the files are written
-    on a thread; the next save, load or ``job.wait_saves()`` waits for it)."""
+    """``Job.save``: written under ``<path>.partial``, renamed to ``path`` once complete. Returns ``path``, or
+    with ``blocking=False`` a ``PendingSave`` (the next save, load or ``job.wait_saves()`` waits for it)."""
     wait_saves(job)
     t0 = time.perf_counter()
     sd = state_dict(job, extra)
@@ -558,9 +547,7 @@ def save(job, path: str, extra: dict | None = None, blocking: bool = True):
 
 
 def load(job, path: str, extra: dict | None = None) -> dict:
-    """Load the checkpoint at ``path`` into the job (a collective), resharded to this job's ranks and
-    strategy, and the loop's objects in ``extra`` from what was saved beside it; returns its
-    metadata (steps, strategy, ranks, and the saved extra values under ``"extra"``)."""
+    """``Job.load``; the saved extra values are under ``"extra"`` of what it returns."""
     wait_saves(job)
     meta = _check(job, path)
     sd = _template(job, meta)

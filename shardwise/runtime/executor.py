@@ -28,11 +28,9 @@ class Compiled(NamedTuple):
 def eager_safe(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` to run op by op in eager mode, with each ``view`` made a ``reshape``.
 
-    Tracing records a ``view`` wherever the traced (fake) strides allow one, but eager kernels may
-    lay an elementwise result out otherwise (a product of an expanded gradient and a transposed
-    tensor, in the MoE dispatch's backward), and the view then fails. ``reshape`` is that same view
-    where one exists and a copy where none does; inductor, which plans its own layouts, runs ``gm``
-    itself."""
+    Tracing records a ``view`` wherever the fake strides allow one, but eager kernels may lay a result out
+    otherwise (an expanded gradient times a transposed tensor, in the MoE dispatch's backward) and the view
+    fails; ``reshape`` is that view or a copy. Inductor plans its own layouts and runs ``gm`` itself."""
     if not any(n.target is aten.view.default for n in gm.graph.nodes):
         return gm
     g = fx.Graph()

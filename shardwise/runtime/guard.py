@@ -6,8 +6,8 @@ loss.backward(); opt.step()``) would not reduce gradients across ranks (ddp's ra
 apart with no error) or would fail deep in a kernel (zero3: "Tensor on device meta"). So:
 
 - calling ``job.model`` with gradients enabled outside the job's own tracing raises, saying to use
-  ``job.step``; so does any call while the module holds no weights (meta). Evaluation of a model
-  that keeps its weights (ddp, fp32 zero1/2) under ``torch.no_grad()`` works as always;
+  ``job.step``; so does any call while it holds no weights (meta). Evaluation under ``torch.no_grad()``
+  of a model that keeps its weights (ddp, fp32 zero1/2) works as always;
 - ``job.optimizer.step()`` outside ``job.step`` raises likewise.
 """
 

@@ -11,11 +11,9 @@ import torch.fx as fx
 def compile_graph(gm: fx.GraphModule) -> Callable:
     """Compile ``gm`` with inductor on its first call's inputs; later calls reuse the kernels.
 
-    The graph already holds its backward, so it is compiled under ``no_grad`` with detached inputs
-    (inductor must not differentiate it again). Common-subexpression elimination is off so that
-    zero3's separate backward gathers are not merged back into the forward ones, inductor's own
-    communication reordering stays off so that it cannot undo our collective order, and neither
-    can its other reorderings (KEEP_ORDER).
+    The graph already holds its backward: compiled under ``no_grad`` with detached inputs. CSE is off so
+    zero3's separate backward gathers are not merged back into the forward ones, and inductor's
+    reorderings are off so they cannot undo our collective order (KEEP_ORDER).
     """
     from torch._inductor import config as ind_cfg
     from torch._inductor.compile_fx import compile_fx

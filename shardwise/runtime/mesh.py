@@ -128,10 +128,8 @@ def mesh(dp: int | None = None, tp: int | None = None, ep: int | None = None,
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise MeshError(f"mesh: {a} must be a positive int, got {n!r}")
     want = math.prod(n for n in given.values() if n is not None)
-    launch_hint = (
-        f"launch with `torchrun --nproc-per-node {want} ...`, or `shardwise train --nproc {want}`, "
-        "or call torch.distributed.init_process_group first"
-    )
+    launch_hint = (f"launch with `torchrun --nproc-per-node {want} ...`, or `shardwise train --nproc {want}`, "
+                   "or call torch.distributed.init_process_group first")
     described = ", ".join(f"{a}={n}" for a, n in given.items() if n is not None)
     if not dist.is_initialized() and want != 1 and "RANK" not in os.environ:
         raise MeshError(f"mesh({described}) needs {want} processes but this is a single process: {launch_hint}")
@@ -148,10 +146,9 @@ def mesh(dp: int | None = None, tp: int | None = None, ep: int | None = None,
                             f"job's {ws}")
         dp = ws // others
     if dp * others != ws:
-        raise MeshError(
-            f"mesh({described}) does not cover the job: the world has {ws} ranks and the axes multiply to "
-            f"{dp * others}, so dp must equal {ws // others if ws % others == 0 else 'a divisor'} (or be omitted)"
-        )
+        raise MeshError(f"mesh({described}) does not cover the job: the world has {ws} ranks and the axes multiply "
+                        f"to {dp * others}, so dp must equal {ws // others if ws % others == 0 else 'a divisor'} "
+                        "(or be omitted)")
     backend = dist.get_backend()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

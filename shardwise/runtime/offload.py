@@ -43,12 +43,10 @@ def _zero_init(opt: torch.optim.Optimizer) -> bool:
 class StreamedOptimizer:
     """Runs ``optimizer.step()`` over host-resident parameters and state, a chunk at a time on ``device``.
 
-    ``resident`` names parameters whose master and state stay on the device (the part of the
-    state the memory plan found room for): they are updated in place, in chunks of the same size
-    (bounding the update's temporaries), with no copies. At most ``window`` streamed chunks are on
-    the device at once: before chunk ``i + window`` is copied in, the host waits for chunk ``i``'s
-    copy back to finish, so the staging memory is bounded whatever the host runs ahead. A chunk is
-    a list of units ``(name, start, stop)``: flat element ranges of parameters.
+    ``resident`` names parameters whose master and state stay on the device (what the memory plan found
+    room for): updated in place, in chunks of the same size (bounding the update's temporaries). At most
+    ``window`` streamed chunks are on the device at once: chunk ``i + window`` is copied in after chunk
+    ``i``'s copy back. A chunk is a list of units ``(name, start, stop)``: flat element ranges of parameters.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
@@ -493,11 +491,10 @@ class StreamedOptimizer:
     def step(self, grads: dict[str, torch.Tensor]) -> None:
         """One optimizer step; ``grads`` are on the device (this rank's shards).
 
-        Chunk ``i`` is copied into ring slot ``i % window`` on the host-to-device stream once the
-        copy back of the chunk that used the slot before has finished (a device-side wait),
-        updated on the update stream (the compute stream without overlap) once it has arrived, and
-        copied back on the device-to-host stream once updated. The host never waits for the device,
-        and nothing is allocated per chunk but the update's own temporaries."""
+        Chunk ``i`` is copied into ring slot ``i % window`` on the host-to-device stream once the slot's
+        last chunk is home (a device-side wait), updated on the update stream (the compute stream without
+        overlap), and copied back on the device-to-host stream. The host never waits for the device, and
+        nothing is allocated per chunk but the update's own temporaries."""
         nb = self.cuda
         self._join_host()  # the last step's host update (the graph that just ran read its weights)
         if self.grad_dtype is None and grads:

@@ -24,10 +24,6 @@ from .executor import eager_safe
 _C10D = "_c10d_functional"
 
 
-def _is_comm(n: fx.Node) -> bool:
-    return collective_of(n) is not None or _C10D in str(n.target)
-
-
 class _Timer(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, cuda: bool):
         super().__init__(gm)
@@ -35,7 +31,7 @@ class _Timer(fx.Interpreter):
         self.marks: dict[str, Any] = {}
 
     def run_node(self, n: fx.Node):
-        if n.op != "call_function" or _is_comm(n):
+        if n.op != "call_function" or collective_of(n) is not None or _C10D in str(n.target):  # not compute
             return super().run_node(n)
         if self.cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -10,9 +10,9 @@ zero1/2    the model's (or a compute-dtype copy)       fp32 shards Ψ/N    shard
 zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    sharded
 =========  ==========================================  =================  =============
 
-Under a tp axis (``tp``: ``TensorParallel``) every parameter above is this rank's tp shard of it, and
-the model's own weights go to ``meta``: the table holds per tp rank. ``keep_model`` keeps them (a
-state made before the tp plan is known); ``reuse`` moves that state's optimizer over to this one.
+Under a tp axis (``TensorParallel``) every parameter above is this rank's tp shard and the model's own
+weights go to ``meta``. ``keep_model`` keeps them (a state made before the tp plan is known); ``reuse``
+moves that state's optimizer over to this one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from ..sharding import ShardLayout
 IN_PLACE_BYTES = 64 * 1024
 
 # Optimizers whose update of one element reads only that element's parameter, gradient and state,
-# so they give the same result on a shard as on the whole tensor.
+# so they give the same result on a shard as on the whole tensor (amsgrad, maximize, weight decay and
+# momentum too); a class of the user's says so with ``shardwise_elementwise = True``.
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                           torch.optim.Adadelta, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
                           torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
@@ -103,7 +104,8 @@ class ShardedState:
 
             self.streamer = StreamedOptimizer(self.optimizer, dict(opt_tensors), self.compute, self.device,
                                               offload_chunk_bytes, overlap=offload_overlap)
-        if strategy != "ddp" and not _elementwise(self.optimizer):
+        if strategy != "ddp" and not (getattr(self.optimizer, "shardwise_elementwise", False)
+                                      or type(self.optimizer) in ELEMENTWISE_OPTIMIZERS):
             raise ValueError(f"{type(self.optimizer).__name__} is not known to be elementwise, so it cannot run on "
                              f"{strategy} shards (its update of one element may read others). Use one of "
                              f"{', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}, strategy='ddp', or mark a "
@@ -195,9 +197,8 @@ class ShardedState:
             off = 0
             for n in names:
                 lay = self.layouts[n]
-                k = lay.local_numel
-                self.full[n].copy_(lay.unshard(per_rank[:, off : off + k].reshape(lay.padded_shape)))
-                off += k
+                self.full[n].copy_(lay.unshard(per_rank[:, off : off + lay.local_numel].reshape(lay.padded_shape)))
+                off += lay.local_numel
         return sent
 
     def _gathers_in_place(self, name: str, group: dist.ProcessGroup) -> bool:
@@ -397,10 +398,9 @@ def fused_twin(opt: torch.optim.Optimizer, want: bool | None) -> torch.optim.Opt
     """``opt`` rebuilt with torch's fused kernel (``fused=True``), or ``opt`` itself.
 
     ``want``: None (auto) fuses a fresh Adam, AdamW or SGD whose tensors are all on CUDA and whose
-    ``foreach`` and ``fused`` were left unset; a user who chose either keeps that choice. True fuses
-    or raises an error that says why it cannot; False keeps ``opt``. The rebuilt optimizer has the
-    same parameter groups and hyperparameters; only the kernel differs (same update in fp32, rounding
-    may differ in the last bit)."""
+    ``foreach`` and ``fused`` were left unset (a user's choice is kept); True fuses or raises why it
+    cannot; False keeps ``opt``. Same groups and hyperparameters; only the kernel differs (fp32
+    rounding may differ in the last bit)."""
     if want is False or opt.defaults.get("fused"):
         return opt
     d = opt.defaults
@@ -452,8 +452,3 @@ def optimizer_kind(opt: torch.optim.Optimizer) -> str:
         return type(opt).__name__
     ps = [p for g in opt.param_groups for p in g["params"]]
     return f"{type(opt).__name__} ({optimizer_kernel(d, ps[0].device.type if ps else 'cpu')})"
-
-
-def _elementwise(opt: torch.optim.Optimizer) -> bool:
-    # amsgrad/maximize/weight decay/momentum are elementwise too
-    return bool(getattr(opt, "shardwise_elementwise", False)) or type(opt) in ELEMENTWISE_OPTIMIZERS

@@ -5,11 +5,10 @@ The update runs one of three ways:
 - plain: the gradients set on the optimizer's tensors, ``optimizer.step()``;
 - streamed (``offload_optimizer``): master shards and state in host memory, streamed through the
   device chunk by chunk (runtime/offload.py);
-- overlapped (``overlap_update``, zero3 with the state on the device): in about 16 chunks of equal
-  bytes in the order the step program first reads the parameters, on CUDA on a stream of its own.
-  The step returns before the update ends; each chunk's parameters get a work whose wait makes the
-  reading stream wait for the chunk (the next graph's readiness waits, passes/ready.py), so the next
-  forward starts while later chunks are updated.
+- overlapped (``overlap_update``, zero3 with the state on the device): about 16 chunks of equal bytes
+  in the order the step program first reads the parameters, on CUDA on a stream of its own. The step
+  returns before the update ends; the next graph's readiness waits (passes/ready.py) wait per chunk,
+  so the next forward starts while later chunks are updated.
 """
 
 from __future__ import annotations
