@@ -189,11 +189,10 @@ class MemoryPlan:
         self.updater.last_s = None  # the update changed: measure it again
 
     def fit_residency(self, peak: int, check: Callable[[], int] | None = None, measured: bool = False) -> None:
-        """Greedy over parameters in order: keep the state of each one that fits in the budget left
-        above ``peak`` (the step's peak with nothing resident); with ``check`` (the predicted peak of
-        the current choice), drop the last taken until it fits. Every rank holds shards of the same
-        shapes and gets the same ``peak``, so every rank makes the same choice. A ``measured`` peak of
-        overlapped steps already holds what the running update keeps; a predicted one does not.
+        """Greedy over parameters in order: keep the state of each one that fits in the budget left above
+        ``peak`` (the step's peak with nothing resident); with ``check`` (the predicted peak of the choice),
+        drop the last taken until it fits. Same shard shapes and ``peak`` on every rank: the same choice.
+        A ``measured`` peak of overlapped steps already holds what the running update keeps.
 
         Keeping state resident only shortens the update, so the gradients it holds while the next step
         runs can only be freed sooner: the peak measured with nothing resident bounds the rest."""

@@ -35,12 +35,6 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def _autocast(cfg, device):
-    if cfg.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def peer(system: str, cfg: BenchConfig, model, device):
     """(step function taking a batch and returning the loss, optimizer) for a peer system."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -89,7 +83,7 @@ def peer(system: str, cfg: BenchConfig, model, device):
 
     def step(batch):
         with loss_ctx():
-            with _autocast(cfg, device) if amp else contextlib.nullcontext():
+            with torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext():
                 loss = run(*batch)
             loss.backward()
         opt.step()
@@ -113,13 +107,8 @@ def tensor_parallel(model, cfg: BenchConfig, device):
     local head counts. Returns the dp mesh for FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     tp = cfg.tp
     if cfg.model != "llama":

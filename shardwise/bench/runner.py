@@ -17,24 +17,22 @@ reduction; or fp32) and the same activation-checkpointing setting, then:
 - shardwise only: ``pred_step_s`` and ``pred_peak_mem_gb`` from its cost model, made before the
   timed steps.
 
-Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off) — either may
-carry options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` or
-``shardwise:offload=1+recompute=1+budget_gb=30`` (offload=all: no state kept on the device) — ``compile``
-(plain torch.compile on each rank's batch, no communication: the single-device ceiling), ``ddp``,
-``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (the same, then torch.compile),
-``fsdp2-offload`` (FSDP2 with ``CPUOffloadPolicy``: shards, gradients and the optimizer step on
-the host); these torch peers take ``:fused=1`` to step AdamW with torch's fused kernel, which shardwise
-picks itself on CUDA (``shardwise:fused=0`` turns that off; each row's ``optimizer`` names the kernel
-run), ``deepspeed`` (ZeRO-3; ``deepspeed:offload=1`` offloads the optimizer to CPU Adam,
-``+ratio=0.7`` only that share of it) and ``deepcompile`` (``deepcompile:offload=1``: its
-``offload_opt_states``) where deepspeed is installed on a CUDA machine. A system
+Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off) — either may carry
+options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` or
+``shardwise:offload=1+recompute=1+budget_gb=30`` (offload=all: no state kept on the device) —
+``compile`` (plain torch.compile on each rank's batch, no communication: the single-device ceiling),
+``ddp``, ``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (then torch.compile),
+``fsdp2-offload`` (``CPUOffloadPolicy``: shards, gradients and the optimizer step on the host); these
+torch peers take ``:fused=1`` for torch's fused AdamW, which shardwise picks itself on CUDA
+(``shardwise:fused=0`` turns that off; each row's ``optimizer`` names the kernel), ``deepspeed``
+(ZeRO-3; ``:offload=1`` to CPU Adam, ``+ratio=0.7`` only that share) and ``deepcompile``
+(``:offload=1``: its ``offload_opt_states``) where deepspeed is installed on a CUDA machine. A system
 that fails (out of memory, missing package) is recorded with its error; the others still run.
 
 With ``--tp N [--sp]`` shardwise runs on ``sw.mesh(tp=N)`` and ``fsdp2`` / ``fsdp2-compile`` become
-torch's FSDP2 over dp with its own TP over tp (peers.tensor_parallel: DTensor ``parallelize_module``
-with ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` and ``loss_parallel``, the
-built-in Llama); a tp group trains on one batch, so tokens per GPU are its tokens over N. Each
-row's ``loss`` (the last timed step's) shows that the systems trained the same model alike.
+FSDP2 over dp with torch's TP over tp (peers.tensor_parallel, the built-in Llama); a tp group trains
+on one batch, so tokens per GPU are its tokens over N. Each row's ``loss`` (the last timed step's)
+shows that the systems trained the same model alike.
 """
 
 from __future__ import annotations

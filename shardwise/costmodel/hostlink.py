@@ -7,9 +7,8 @@ and overlap, so the step's transfer time is bounded below by
 
     max(S / bw_h2d, S / bw_d2h, 2·S / bw_both)
 
-where ``bw_both`` is the sum of the two directions measured at once (PCIe is full duplex, but a
-host's memory system may not sustain both directions at full speed). ``measure`` times the three on
-this machine; on CPU the "host tier" is a second buffer pool and the numbers are memcpy speeds.
+where ``bw_both`` is the two directions measured at once (PCIe is full duplex, a host's memory system
+may not be). ``measure`` times the three; on CPU the "host" is a second buffer pool (memcpy speeds).
 """
 
 from __future__ import annotations

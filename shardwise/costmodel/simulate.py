@@ -5,12 +5,10 @@ start queues on the communication lane (one collective at a time, in issue order
 stream) from the moment it is issued; a wait holds the compute lane until its collective ends.
 The compute lane's idle time in waits is the exposed communication.
 
-With ``free`` given, the lanes also share the SMs: a collective's kernels need SMs of their own, and
-``free(node)`` says what share of them a compute node leaves while it runs. 0: none (a persistent
-matrix product, one block on every SM): a collective due to start while it runs, or within
-``RACE_S`` before it starts, starts when it ends. Between 0 and 1 (a product with some SMs carved
-out for communication): a collective due while it runs starts, and runs ``1 / share`` times as
-long. 1: no contention (the default for every node).
+With ``free``, the lanes also share the SMs: ``free(node)`` is the share of a collective's SMs a compute
+node leaves while it runs. 0 (a persistent product, a block on every SM): a collective due while it
+runs, or within ``RACE_S`` before it starts, starts when it ends. Between 0 and 1 (a carved product): a
+collective due while it runs starts, and runs ``1 / share`` times as long. 1: no contention (default).
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
 Two ways to run the experts, both one traced graph (no shape depends on the routing):
 
-- ``capacity_factor=None`` (default): dropless and dense. Every expert runs on every token and its
-  output is weighted by the router's gate, which is zero for experts outside a token's top k. Exact,
-  and E/k times the expert FLOPs of a real MoE layer: for small models and tests.
-- ``capacity_factor=c``: GShard/Switch dispatch. Each expert takes at most
-  ``ceil(c * tokens * k / E)`` (token, choice) pairs of the micro-batch, first choices before second
-  ones, in token order; a pair past its expert's capacity is dropped (it adds nothing; the residual
-  carries the token; the buffer ``dropped`` counts them, per micro-batch). The kept tokens are gathered into an ``[E, capacity, d]`` buffer, the experts
-  run as batched matrix products on it, and each token gathers its outputs back, weighted by its
-  gates. The expert FLOPs are ``c`` times a real MoE layer's. With ``c >= E / k`` nothing is ever
-  dropped and the result equals the dense path's.
+- ``capacity_factor=None`` (default): dropless and dense. Every expert runs on every token, its output
+  weighted by the router's gate (zero outside a token's top k). Exact, and E/k times the expert FLOPs
+  of a real MoE layer: for small models and tests.
+- ``capacity_factor=c``: GShard/Switch dispatch. Each expert takes at most ``ceil(c * tokens * k / E)``
+  (token, choice) pairs of the micro-batch, first choices first, in token order; a pair past capacity
+  is dropped (the residual carries the token; the buffer ``dropped`` counts them per micro-batch). The
+  kept tokens are gathered into an ``[E, capacity, d]`` buffer for batched products, and each token
+  gathers its outputs back, weighted by its gates: ``c`` times a real MoE layer's expert FLOPs. With
+  ``c >= E / k`` nothing is dropped and the result equals the dense path's.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ carved, the collective runs beside it, slower where fewer SMs are left than its 
 ``auto`` is ``compile``'s default on CUDA. In sitting 8 (2xH200) it carved the MoE, 4.2% faster
 than every SM, and left the 8B shape whole, where carving 24 SMs measured 0.9% slower.
 
-Runs last (``shard_step``), on the program every choice settled on: buckets, in-flight cap and
-memory plan are chosen on uncarved candidates. The choice is a function of the graph and the cost model
-(roofline and link profile), so every rank makes the same one.
+Runs last (``shard_step``): buckets, in-flight cap and memory plan are chosen on uncarved candidates.
+The choice is a function of the graph and the cost model, so every rank makes the same one.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Selective recomputation: elementwise forward results are recomputed in the backward, not kept.
 
-A forward value read by the backward stays alive from the forward into the backward. When it is a
-cheap elementwise function of values that stay alive anyway (matrix-product outputs the backward
-needs, inputs), the backward can recompute it where it needs it, and the forward copy dies after
-its last forward use: the memory of saved activations shrinks for a few elementwise kernels. This
-is the policy of activation-memory papers' "selective recomputation" and of torch's min-cut
-partitioner, made here on the joint graph.
+A forward value the backward reads stays alive into the backward. When it is a cheap elementwise function
+of values alive anyway (inputs, matrix-product outputs the backward needs), the backward can recompute it
+and the forward copy dies after its last forward use: saved activations shrink for a few elementwise
+kernels (the papers' "selective recomputation", torch's min-cut partitioner; here on the joint graph).
 
-Decided in forward order so that every recomputed node reads only values that are kept: a value
-is recomputed when all its tensor inputs are placeholders or forward values the backward keeps
-(and that are not themselves recomputed). A copy of the node is placed right before its first
-backward reader; recomputation is deterministic elementwise arithmetic, so results are identical.
+Decided in forward order: a value is recomputed when all its tensor inputs are placeholders or kept
+forward values (not themselves recomputed). A copy of the node goes right before its first backward
+reader; deterministic elementwise arithmetic, so results are identical.
 """
 
 from __future__ import annotations

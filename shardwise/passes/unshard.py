@@ -4,13 +4,11 @@ First the plan must fit with every parameter resharded; if it does not, selectiv
 (passes/recompute.py) is turned on, then saved activations are kept in host memory, largest first
 (passes/actoffload.py), and if it still does not fit, ``BudgetError``.
 
-A parameter kept gathered needs no backward all-gather (one collective and its latency fewer per
-step) but its whole weight lives from its forward use to its last backward use. Every such weight is
-live at the forward/backward boundary, so each one adds its bytes to the peak there. The plan is a
-greedy with re-evaluation: take parameters in reverse forward order (the last ones are needed again
-first), as long as their bytes fit the headroom the unsharded plan leaves under the budget; then
-compile that plan and check its simulated peak, dropping the most recently added parameters until
-it fits. Deterministic: the same graph and budget give the same plan on every rank.
+A parameter kept gathered needs no backward all-gather but its whole weight lives from its forward use
+to its last backward use, adding its bytes to the peak at the forward/backward boundary. The plan is a
+greedy with re-evaluation: take parameters in reverse forward order (the last are needed again first)
+while their bytes fit the headroom under the budget; then compile that plan and drop the most recently
+added until its simulated peak fits. Deterministic: the same plan on every rank.
 """
 
 from __future__ import annotations

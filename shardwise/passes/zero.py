@@ -2,14 +2,12 @@
 
 - zero1 / zero2: every rank holds the whole model (in the compute dtype); each gradient is
   reduce-scattered into this rank's ``Shard(0)`` piece right after it is produced; the optimizer
-  updates fp32 master shards and the runtime all-gathers them back into the whole model.
-  (With one micro-batch per step the two are the same graph; they differ in how gradients are
-  kept across micro-batches.)
-- zero3: a parameter enters the graph only as this rank's shard. It is all-gathered right before
-  its first forward use and dies after its last forward use. Backward users get a gather of
-  their own and their own copy of the view/cast chain the forward had built on the gathered
-  weight (``t(W)`` typically feeds the forward matmul and the backward one: the ops the op registry
-  marks ``chain``), so no gathered weight lives from forward into backward.
+  updates fp32 master shards and the runtime all-gathers them back into the whole model. (With one
+  micro-batch per step the two are the same graph; they differ across micro-batches.)
+- zero3: a parameter enters the graph only as this rank's shard, all-gathered right before its first
+  forward use, dead after its last. Backward users get a gather of their own and their own copy of
+  the view/cast chain built on the gathered weight (the ops the op registry marks ``chain``, e.g.
+  ``t(W)``), so no gathered weight lives from forward into backward.
 """
 
 from __future__ import annotations
