@@ -124,9 +124,8 @@ class MemoryPlan:
         return max(0, int(limit - held - self.slack))
 
     def check(self, predicted: int, measured: int, steps: int) -> bool:
-        """A measured step (after ``steps`` steps) against its prediction (maxima over ranks): whether
-        the plan must be made again (the peak was over the budget or more than 10% off), the gap then
-        held back."""
+        """Whether a measured step (after ``steps``) must remake the plan, its peak (max over ranks) over the
+        budget or more than 10% off the prediction; the gap is then held back."""
         predicted, measured = self.agree.max(predicted, measured)
         if measured <= self.budget and abs(measured - predicted) <= 0.10 * predicted:
             return False
@@ -145,11 +144,9 @@ class MemoryPlan:
         return budget_bytes(0.95, self.device) if self.device.type == "cuda" else None  # room: allocator rounding
 
     def plan_residency(self, prog, tensors) -> None:
-        """Under offload, keep on the device the optimizer state that fits beside the step. On CUDA
-        the first step runs with all of it on the host and its measured peak (the maximum over ranks)
-        decides (``fit_residency``): a step that ran out of memory would be lost, a measured one
-        cannot be wrong. On CPU, where the host pool is the same memory, the prediction decides (the
-        same code path, for the tests)."""
+        """Under offload, keep on the device the optimizer state that fits beside the step. On CUDA the
+        first step runs with all of it on the host and its measured peak (max over ranks) decides: a step
+        out of memory would be lost, a measured one cannot be wrong. On CPU the prediction decides."""
         st = self.state.streamer
         budget = self.residency_budget()
         if st is None:
@@ -168,9 +165,8 @@ class MemoryPlan:
         prog.resident_state = sorted(st.resident)
 
     def plan_host(self) -> None:
-        """Which offloaded parameters the host updates (``offload_host_update``; runtime/offload.plan_host).
-        The host update rate is measured on every rank and the slowest counts, so every rank, holding
-        shards of the same shapes, makes the same split."""
+        """Which offloaded parameters the host updates (``offload_host_update``; runtime/offload.plan_host),
+        at the slowest rank's measured rate, so every rank makes the same split."""
         st = self.state.streamer
         if st is None or self.host_update is False:
             return
@@ -219,9 +215,8 @@ class MemoryPlan:
         self.plan_host()
 
     def measure_residency(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Offload on CUDA: one of the first steps, run with all optimizer state on the host; after the
-        last of them (two with the update overlapped: the second runs beside the first one's update,
-        so its peak holds what the update keeps) their measured peak decides what stays on the device."""
+        """Offload on CUDA: one of the first steps (two with the update overlapped, the second beside the
+        first one's update), all state on the host; after the last, their peak decides residency."""
         if self.residency_peak is None:
             torch.cuda.empty_cache()  # the reserved peak then counts these steps' own blocks
             torch.cuda.reset_peak_memory_stats(self.device)

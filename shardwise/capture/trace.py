@@ -366,8 +366,7 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
         it = iter(t_in)
         leaves = [next(it) if c is None else c for c in consts]
         b = pytree.tree_unflatten(leaves, spec)
-        state = dict(zip(pnames, p_in))
-        state.update(zip(bnames, b_in))
+        state = {**dict(zip(pnames, p_in)), **dict(zip(bnames, b_in))}
         with _reparametrize_module(model, state, tie_weights=True), tracing(), _forwards(forwards):
             losses = [extract_loss(call_model(model, select_inputs(part, model_inputs)), part, loss_fn)
                       for part in parts(b)]

@@ -68,8 +68,7 @@ def experts_of(cap: Capture, ranks: int = 1, plan=None) -> dict[str, int]:
     """The expert parameters of ``cap``: {name: number of experts (its dim 0)}, kept to those the
     ``plan``'s globs name where there is one; every count must be a multiple of the ep ``ranks``."""
     g = cap.gm.graph
-    phs = g.find_nodes(op="placeholder")[: cap.n_params]
-    names = dict(zip(phs, cap.param_names))
+    names = dict(zip(g.find_nodes(op="placeholder")[: cap.n_params], cap.param_names))
     found: dict[str, int] = {}
     for n in g.nodes:
         if n.target is not aten.bmm.default:
@@ -203,8 +202,7 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
                           "MoE's capacity dispatch does; a model without such a layer trains on a mesh without ep")
     gm = copy.deepcopy(cap.gm)
     g = gm.graph
-    phs = g.find_nodes(op="placeholder")
-    params = dict(zip(phs[: cap.n_params], cap.param_names))
+    params = dict(zip(g.find_nodes(op="placeholder")[: cap.n_params], cap.param_names))
     experts = {ph for ph, name in params.items() if name in counts}
     slot, entries = _region(g, experts)
     for x in entries:
@@ -597,8 +595,7 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, 
         mark(n, emit.collective(kind, v.numel() * v.dtype.itemsize, ranks, "fwd" if n in fwd else "bwd",
                                      axis="ep", reason=what if n in fwd else f"gradients: {what}"))
         _staged(g, n, stage)
-    phs = g.find_nodes(op="placeholder")
-    params = dict(zip(phs[: cap.n_params], cap.param_names))
+    params = dict(zip(g.find_nodes(op="placeholder")[: cap.n_params], cap.param_names))
     shared = _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared, split)
     g.lint()
     gm.recompile()

@@ -257,8 +257,7 @@ class StreamedOptimizer:
                     out.copy_(hp.data.view(out.shape))
                     with torch.cuda.stream(self.hs):
                         c.copy_(out, non_blocking=True)
-                        sent = torch.cuda.Event()
-                        sent.record()
+                        sent = self._event()
                     self._host_sent[n] = sent
                 elif c is not None:
                     c.copy_(hp.data)
@@ -287,11 +286,9 @@ class StreamedOptimizer:
             self.bytes_moved += g.numel() * g.element_size()
             with self._stream(self.hs if self.cuda else None):
                 b["grad"].copy_(g, non_blocking=self.cuda)
-                arrived[n] = None
                 if self.cuda:
                     g.record_stream(self.hs)
-                    arrived[n] = torch.cuda.Event()
-                    arrived[n].record()
+                arrived[n] = self._event()
             published[n] = Future()
         self._host_job = self._worker.submit(self.run_host_update, arrived, published)
 
@@ -386,6 +383,13 @@ class StreamedOptimizer:
 
     def _stream(self, s):
         return torch.cuda.stream(s) if self.cuda else contextlib.nullcontext()
+
+    def _event(self):
+        """An event recorded on the current stream (CUDA), else None."""
+        ev = torch.cuda.Event() if self.cuda else None
+        if ev is not None:
+            ev.record()
+        return ev
 
     def _state_tensors(self, p) -> dict[str, torch.Tensor]:
         """The per-element state of ``p`` (tensors shaped like it; scalars such as ``step`` stay put)."""
@@ -532,9 +536,7 @@ class StreamedOptimizer:
                         dst[k].copy_(self._piece(v, a, b).view(shape), non_blocking=nb)
                     self.bytes_moved += dev.numel() * dev.element_size() * (1 + len(dst))
                     out[n] = (dev, dst)
-                ev = torch.cuda.Event() if self.cuda else None
-                if ev is not None:
-                    ev.record()
+                ev = self._event()
             return out, ev
 
         try:
@@ -555,8 +557,7 @@ class StreamedOptimizer:
                 with self._stream(cur if self.overlap else None):
                     self._update(chunk, grads, views, counts)
                     if self.overlap:
-                        ev = torch.cuda.Event()
-                        ev.record()
+                        ev = self._event()
                         ready.update((n, ev) for n, _, _ in chunk)
             for i, chunk in enumerate(self.chunks):
                 if i + 1 < len(self.chunks):
@@ -566,9 +567,7 @@ class StreamedOptimizer:
                     cur.wait_event(ev)
                 with self._stream(cur if self.overlap else None):
                     self._update(chunk, grads, views, counts)
-                    done = torch.cuda.Event() if self.cuda else None
-                    if done is not None:
-                        done.record()
+                    done = self._event()
                 if self.overlap:
                     ready.update((n, done) for n, _, _ in chunk)
                 with self._stream(self.d2h if self.cuda else None):
@@ -591,10 +590,7 @@ class StreamedOptimizer:
                                     v.record_stream(self.d2h)
                             self._piece(h, a, b).copy_(v.reshape(-1) if self.sliced else v, non_blocking=nb)
                             self.bytes_moved += v.numel() * v.element_size()
-                    if self.cuda:
-                        back = torch.cuda.Event()
-                        back.record()
-                        copied_back[i] = back
+                    copied_back[i] = self._event()  # read on CUDA alone
         finally:
             # the optimizer's parameters and state point at the whole tensors again
             for n, (data, states) in whole.items():

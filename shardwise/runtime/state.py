@@ -118,13 +118,10 @@ class ShardedState:
     def param_inputs(self, full_input: bool, dtypes: dict[str, torch.dtype]) -> list[torch.Tensor]:
         """The parameter inputs of the step graph, in capture order."""
         src = self.full if full_input else (self.compute if self.offload else self.master)
-        out = []
-        for n in self.names:
-            t = src[n].detach()
-            if t.dtype != dtypes[n]:
-                raise RuntimeError(f"internal: parameter {n} is stored as {t.dtype}, the graph expects {dtypes[n]}")
-            out.append(t)
-        return out
+        if bad := [n for n in self.names if src[n].dtype != dtypes[n]]:
+            n = bad[0]
+            raise RuntimeError(f"internal: parameter {n} is stored as {src[n].dtype}, the graph expects {dtypes[n]}")
+        return [src[n].detach() for n in self.names]
 
     def set_grads(self, grads: dict[str, torch.Tensor]) -> None:
         for n, g in grads.items():

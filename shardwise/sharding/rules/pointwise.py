@@ -61,11 +61,7 @@ def pointwise_rule(node: fx.Node, place, ranks: int):
 
 
 def _pointwise(node, ins, place, nd):
-    outs = set()
-    for a in ins:
-        p = place(a)
-        if isinstance(p, Shard):
-            outs.add(p.moved(p.dim + nd - val(a).dim()))
+    outs = {place(a).moved(place(a).dim + nd - val(a).dim()) for a in ins if isinstance(place(a), Shard)}
     if not outs:
         return {}, R
     if len(outs) > 1:  # shards of different dims or cuts: gather all (rare: no model of ours does it)
