@@ -60,8 +60,7 @@ class BenchConfig:
     each warm-up step, agreed by every rank): its row gets the error, the next system runs."""
 
     def __post_init__(self):
-        bad = [s for s in self.systems if s.split(":")[0] not in SYSTEMS]
-        if bad:
+        if bad := [s for s in self.systems if s.split(":")[0] not in SYSTEMS]:
             raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
         for s in self.systems:
             options(s)

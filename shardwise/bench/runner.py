@@ -87,9 +87,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     device = bench_device()
     rank, ws = dist.get_rank(), dist.get_world_size()
     started = time.perf_counter()
-    # each system compiles from a clean slate: dynamo's per-code cache is shared by every system of
-    # the process, and entries left by an earlier one count towards its recompile limit (past it,
-    # dynamo silently runs eager)
+    # each system compiles from a clean slate: dynamo's per-code cache is shared by the process's systems,
+    # and an earlier one's entries count towards its recompile limit (past it, dynamo silently runs eager)
     torch._dynamo.reset()
     model = build_model(cfg, device)
     seq = cfg.seq or model.cfg.seq
@@ -101,10 +100,8 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     batches = [tuple(t.to(device) for t in data.get(i, rank // cfg.tp)) for i in range(cfg.warmup + cfg.steps + 2)]
     row = {"system": system, "step_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "peak_mem_gb": None,
            "exposed_comm_pct": None, "pred_step_s": None, "pred_peak_mem_gb": None}
-    # the communication library's settings this row ran under (rows of one record may come from
-    # several commands, e.g. one with NCCL's streams at high priority)
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))}
-    if env:
+    # the communication settings this row ran under (a record's rows may come from several commands)
+    if env := {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))}:
         row["env"] = env
     pred = None
     if system.startswith("shardwise"):
@@ -220,8 +217,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     row["step_s"] = float(mean)
     # the ranks of a tp group share their batch; compile's ceiling runs each rank's batch alone
     row["tokens_per_s_per_gpu"] = cfg.batch * seq / row["step_s"] / (1 if system == "compile" else cfg.tp)
-    peak = peak_flops(device)
-    if peak:
+    if peak := peak_flops(device):
         row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / peak
     row["ranks"] = ws
     if system.startswith("shardwise") and job.state.streamer is not None:
@@ -294,9 +290,7 @@ def _memory_sites(fn, device) -> dict:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     live = live_at_peak(snap["device_traces"][device.index], base, top=400)
-    stats = torch.cuda.memory_stats(device)
-    # the trace's peak counts requested sizes, as requested_bytes does; max_memory_allocated rounds
-    # each block up to the allocator's sizes
+    stats = torch.cuda.memory_stats(device)  # requested and allocated peaks: live_at_peak says how they differ
     return {"peak_gb": live["peak"] / 1e9, "requested_peak_gb": stats.get("requested_bytes.all.peak", 0) / 1e9,
             "max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
             "before_step_gb": live["before"] / 1e9,

@@ -440,8 +440,7 @@ def check_no_input_mutation(cap: Capture) -> None:
             continue
         if node.target is torch.ops.aten.native_batch_norm.default and node.args[5]:
             # its schema does not mark the running statistics it updates in training as written
-            hidden = [a for a in node.args[3:5] if a in buffers]
-            if hidden:
+            if hidden := [a for a in node.args[3:5] if a in buffers]:
                 node.meta["sw_writes_buffer"] = names[hidden[0]]
                 written += [names[a] for a in hidden]
         for arg, a in zip(node.target._schema.arguments, node.args):

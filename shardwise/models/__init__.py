@@ -47,8 +47,7 @@ def build(name: str, size: str = "tiny", **overrides):
         raise ValueError(f"unknown size {size!r} for model {name!r}: choose one of {sorted(PRESETS[name])}")
     cls, cfg_cls = _CLASSES[name]
     fields = {f.name for f in dataclasses.fields(cfg_cls)}
-    bad = set(overrides) - fields
-    if bad:
+    if bad := set(overrides) - fields:
         raise ValueError(f"model {name!r} has no option(s) {sorted(bad)}; it has {sorted(fields)}")
     return cls(cfg_cls(**{**PRESETS[name][size], **overrides}))
 

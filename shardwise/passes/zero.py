@@ -87,12 +87,9 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
     fwd = forward_nodes(gm) | set(nodes[: nodes.index(loss)])
     order = {n: i for i, n in enumerate(nodes)}
 
-    compute: dict[fx.Node, torch.dtype] = {}
-    store: dict[fx.Node, torch.dtype] = {}
-    for ph, name in params.items():
-        v = ph.meta["val"]
-        compute[ph] = v.dtype
-        store[ph] = ctx.master_dtype if (ctx.param_dtype is not None and v.is_floating_point()) else v.dtype
+    compute = {ph: ph.meta["val"].dtype for ph in params}
+    store = {ph: ctx.master_dtype if ctx.param_dtype is not None and ph.meta["val"].is_floating_point() else compute[ph]
+             for ph in params}
 
     def gather(ph: fx.Node, before: fx.Node, phase: str) -> fx.Node:
         with g.inserting_before(before):
@@ -146,6 +143,5 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
     shards = _reduce_scatter_grads(cap, gm, ctx, layouts)
     set_outputs(gm, loss, shards)
     average_loss(gm, ctx)
-    prog = Program(finish(gm), "zero3", cap, layouts, "shard", "shard")
-    prog.input_dtypes = {params[ph]: store[ph] for ph in params}
-    return prog
+    return Program(finish(gm), "zero3", cap, layouts, "shard", "shard",
+                   input_dtypes={params[ph]: store[ph] for ph in params})

@@ -340,8 +340,7 @@ def _take_state(job, name: str, p: torch.Tensor, saved: dict, group: dict) -> No
 
 def _load_extra(sd: dict, extra: dict | None) -> dict:
     saved = _unpack(sd["extra"]) if isinstance(sd.get("extra"), bytes) else {}
-    missing = sorted(set(extra or {}) - set(saved))
-    if missing:
+    if missing := sorted(set(extra or {}) - set(saved)):
         raise CheckpointError(f"the checkpoint holds no {missing} (it saved extra={sorted(saved)}): save them "
                               "with job.save(path, extra=...) or leave them out of load")
     for k, obj in (extra or {}).items():

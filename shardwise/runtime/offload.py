@@ -141,8 +141,7 @@ class StreamedOptimizer:
         """Keep the master and state of ``names`` on the device and the rest in host memory (moving
         what changed side; the optimizer keeps its parameter objects)."""
         names = frozenset(names)
-        unknown = names - set(self.params)
-        if unknown:
+        if unknown := names - set(self.params):
             raise ValueError(f"set_resident: not parameters of this optimizer: {sorted(unknown)[:5]}")
         self.drain()
         if self.host & names:

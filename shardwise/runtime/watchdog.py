@@ -44,7 +44,7 @@ class Watchdog:
         self.status = {"job": 0, "seq": 0, "what": "start", "n": 0, "state": "done", "error": None}
         self.seq = 0
         """Phases this rank has begun: ranks that call the jobs alike are in phases of the same number."""
-        self.since = self.posted = time.monotonic()
+        self.since = time.monotonic()
         self.limit: float | None = None
         self.compiling = False
         self._wake = threading.Event()
@@ -90,7 +90,6 @@ class Watchdog:
     def _post(self) -> None:
         with self.lock:
             text = json.dumps({**self.status, "beat": time.time()})
-        self.posted = time.monotonic()
         self.store.set(f"rank/{self.rank}", text)
 
     def _run(self) -> None:

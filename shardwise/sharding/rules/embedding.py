@@ -36,10 +36,8 @@ def embedding(node, place, ranks):
 def _table(node):
     """The table of the forward lookup whose gradient ``node`` is (the same indices and rows), or None."""
     idx, rows = node.args[1], node.args[2]
-    for u in idx.users:
-        if u.target is aten.embedding.default and val(u.args[0]).shape[0] == rows:
-            return u.args[0]
-    return None
+    return next((u.args[0] for u in idx.users
+                 if u.target is aten.embedding.default and val(u.args[0]).shape[0] == rows), None)
 
 
 def embedding_backward(node, place, ranks):
