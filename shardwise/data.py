@@ -43,10 +43,8 @@ class ByteFile:
         n = len(self.data)
         need = ws * (seq + 2)
         if n < need:
-            raise ValueError(
-                f"--data {path!r} has {n} bytes; {ws} ranks with sequences of {seq} need at least {need} "
-                "(use a larger file or a smaller --seq)"
-            )
+            raise ValueError(f"--data {path!r} has {n} bytes; {ws} ranks with sequences of {seq} need at least "
+                             f"{need} (use a larger file or a smaller --seq)")
         per = n // ws
         self.lo, self.hi = rank * per, (rank + 1) * per
         self.seq, self.batch, self.seed, self.rank = seq, batch, seed, rank

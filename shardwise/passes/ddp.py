@@ -37,9 +37,8 @@ def apply(cap: Capture, gm, ctx: ShardContext) -> Program:
     for b in buckets:
         last = max((cast_grads[i] for i in b), key=order.__getitem__)
         with g.inserting_before(last.next):
-            outs = emit.all_reduce_many(
-                g, [cast_grads[i] for i in b], ctx.dp, ctx.group, op="avg", params=[names[i] for i in b], stage=ctx.stage
-            )
+            outs = emit.all_reduce_many(g, [cast_grads[i] for i in b], ctx.dp, ctx.group, op="avg",
+                                        params=[names[i] for i in b], stage=ctx.stage)
         for i, o in zip(b, outs):
             reduced[i] = o
     set_outputs(gm, loss, reduced)

@@ -47,13 +47,11 @@ FORMAT = 1
 
 
 class Pieces:
-    """A tensor of whole shape ``size`` of which this rank holds ``chunks``: (global offsets, tensor)
-    each, the tensor a view of the job's own storage. How a checkpoint describes a tensor cut on the
-    tp axis as well as the dp one: a tp shard of a fused q/k/v weight is several blocks of the whole,
-    and the dp cut of a tp shard is not the dp cut of the whole, which no DTensor placement says.
-    DCP plans its writes and reads from the chunks (the ``__create_write_items__`` and
-    ``__create_chunk_list__`` it asks of a tensor-like object); ``SavePlanner`` and ``LoadPlanner``
-    find a chunk by its offsets."""
+    """A tensor of whole shape ``size`` of which this rank holds ``chunks``: (global offsets, view of the
+    job's own storage) each. A tensor cut on tp as well as dp: a tp shard of a fused q/k/v weight is several
+    blocks of the whole, and the dp cut of a tp shard is not the dp cut of the whole, which no DTensor
+    placement says. DCP plans from the chunks (``__create_write_items__``, ``__create_chunk_list__``);
+    ``SavePlanner`` and ``LoadPlanner`` find a chunk by its offsets."""
 
     def __init__(self, size: tuple[int, ...], chunks: list[tuple[torch.Size, torch.Tensor]]):
         self.whole, self.chunks = torch.Size(size), chunks
@@ -306,10 +304,9 @@ def load_state_dict(job, sd: dict, extra: dict | None = None) -> dict:
 
 
 def _take_state(job, name: str, p: torch.Tensor, saved: dict, group: dict) -> None:
-    """The optimizer state of ``p`` (parameter ``name``'s) from what a checkpoint held: copied into
-    the tensors it has where it has them (the pinned host buffers of an offloaded state, which the
-    host update's optimizer shares; a fused kernel's step counts on the device), else made as
-    torch's ``Optimizer.load_state_dict`` places state."""
+    """The optimizer state of ``p`` (parameter ``name``'s) from what a checkpoint held: copied into the
+    tensors it has (an offloaded state's pinned host buffers, which the host update shares; a fused
+    kernel's device step counts), else placed as torch's ``Optimizer.load_state_dict`` places state."""
     opt, streamer = job.optimizer, job.state.streamer
     if not saved:  # saved before its first step
         if streamer is None:
@@ -441,10 +438,9 @@ class PendingSave:
 
 
 class HostStager:
-    """DCP's ``AsyncStager`` for a job: this rank's pieces copied into host buffers kept across saves
-    (pinned on CUDA, on a stream of their own, overlapping the next step's forward and backward; the
-    update waits for it, ``wait_staged``). DCP's own stagers deep-copy the state each save,
-    synchronously, and torch 2.11's cannot copy a DTensor."""
+    """DCP's ``AsyncStager`` for a job: this rank's pieces copied into host buffers kept across saves (pinned
+    on CUDA, on their own stream, beside the next step; the update waits for it, ``wait_staged``). DCP's
+    own stagers deep-copy the state each save, synchronously, and torch 2.11's cannot copy a DTensor."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

@@ -191,9 +191,8 @@ class StreamedOptimizer:
                                               initializer=(lambda: torch.cuda.set_device(dev)) if self.cuda else None)
 
     def _host_optimizer(self, names) -> torch.optim.Optimizer:
-        """An optimizer of the user's class and hyperparameters over parameters that share storage
-        with the host masters of ``names`` and the very same state dicts (what it updates is the
-        user's optimizer state). Fused where the masters are fp32/fp64 (CPU fused AdamW: one pass)."""
+        """An optimizer of the user's class and hyperparameters over the host masters of ``names`` (shared
+        storage) and the very same state dicts. Fused where the masters are fp32/fp64 (CPU: one pass)."""
         by_id = {id(p): n for n, p in self.params.items()}
         groups, self._host_params, self._host_groups = [], {}, []
         fused = all(self.params[n].dtype in (torch.float32, torch.float64) for n in names)

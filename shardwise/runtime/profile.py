@@ -59,20 +59,14 @@ def node_times(gm: fx.GraphModule, inputs: list, device: torch.device, group: di
     the maximum over the ranks of ``group``). The RNG state is restored, so profiling does not shift
     dropout masks of the training that follows."""
     cuda = device.type == "cuda"
-    cpu_rng = torch.get_rng_state()
-    gpu_rng = torch.cuda.get_rng_state(device) if cuda else None
     best: dict[str, float] = {}
     eager = eager_safe(gm)
-    try:
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
         for _ in range(reps):
             t = _Timer(eager, cuda)
             t.run(*inputs)
             for k, v in t.seconds().items():
                 best[k] = min(v, best.get(k, v))
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda:
-            torch.cuda.set_rng_state(gpu_rng, device)
     if group is not None and dist.get_world_size(group) > 1:
         names = [n.name for n in gm.graph.nodes if n.name in best]  # graph order: the same on every rank
         v = torch.tensor([best[k] for k in names], dtype=torch.float64)

@@ -133,9 +133,8 @@ class ShardedState:
             t.grad = g
 
     @torch.no_grad()
-    def clip_grad_norm_(
-        self, grads: dict[str, torch.Tensor], max_norm: float, group: dist.ProcessGroup, ranks: int
-    ) -> tuple[torch.Tensor, int]:
+    def clip_grad_norm_(self, grads: dict[str, torch.Tensor], max_norm: float, group: dist.ProcessGroup,
+                        ranks: int) -> tuple[torch.Tensor, int]:
         """Scale gradients so that their global 2-norm is at most ``max_norm``; returns (norm, bytes sent).
 
         Whole gradients (ddp) are the same on every rank: the norm is local. Shards need one

@@ -28,11 +28,8 @@ class Updater:
 
     def __init__(self, state, device: torch.device, group: dist.ProcessGroup, ranks: int,
                  clip_grad_norm: float | None = None, overlap: bool = False):
-        self.state = state
-        self.device = device
-        self.group, self.ranks = group, ranks
-        self.clip = clip_grad_norm
-        self.overlap = bool(overlap)
+        self.state, self.device, self.group, self.ranks = state, device, group, ranks
+        self.clip, self.overlap = clip_grad_norm, bool(overlap)
         self.stream = None
         """CUDA, ``overlap``: the stream the update runs on."""
         self.chunks: list[list[str]] | None = None

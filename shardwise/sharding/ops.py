@@ -99,12 +99,9 @@ def aliases_input(node: fx.Node) -> bool:
     t = node.target
     if t is operator.getitem or t is WAIT or t is aten._unsafe_view.default:
         return True  # a wait returns the collective's own output buffer
-    schema = getattr(t, "_schema", None)
-    if schema is None:
-        # a Python helper (keep_alive and the like) returns nothing that allocates
-        return True
-    rets = schema.returns
-    return bool(rets) and rets[0].alias_info is not None
+    if (schema := getattr(t, "_schema", None)) is None:
+        return True  # a Python helper (keep_alive and the like) returns nothing that allocates
+    return bool(schema.returns) and schema.returns[0].alias_info is not None
 
 
 def tensor_bytes(v) -> int:
