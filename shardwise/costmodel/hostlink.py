@@ -71,11 +71,7 @@ def measure(device: torch.device, nbytes: int = 256 * 2**20, iters: int = 5) -> 
         with torch.cuda.stream(s2) if cuda else contextlib.nullcontext():
             host_out.copy_(dev_out, non_blocking=cuda)
 
-    def both():
-        h2d()
-        d2h()
-
-    t_in, t_out, t_both = timed(h2d), timed(d2h), timed(both)
+    t_in, t_out, t_both = timed(h2d), timed(d2h), timed(lambda: (h2d(), d2h()))
     src = f"measured on {torch.cuda.get_device_name(device) if cuda else 'CPU (memcpy)'}, {nbytes >> 20} MiB copies, " \
           f"{time.strftime('%Y-%m-%d')}"
     return HostLink(nbytes / t_in, nbytes / t_out, 2 * nbytes / t_both, src)

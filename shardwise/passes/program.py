@@ -27,9 +27,8 @@ class ShardContext:
     group: str
     """Process-group name of the data-parallel axis (as functional collectives take it)."""
     cost: CostModel | None = None
-    """The cost model the passes' choices are made on (costmodel.CostModel, or a stand-in with its
-    ``node_time``, ``comm_time``, ``fetch_time``, ``simulate`` and ``estimate``); None: the choices
-    that need it are not made (an error where one is asked for)."""
+    """The cost model the passes' choices are made on (costmodel.CostModel, or a stand-in with its methods);
+    None: the choices that need it are not made (an error where one is asked for)."""
     param_dtype: torch.dtype | None = None
     """Compute dtype of parameters (mixed precision), None to compute in the storage dtype."""
     reduce_dtype: torch.dtype | None = None
@@ -55,9 +54,8 @@ class ShardContext:
     """Bytes the step graph may use on top of resident state (``memory_budget`` minus what the job
     holds); with it, zero3 keeps gathered as many parameters as fit (passes/unshard.py)."""
     reserve: int = 0
-    """Bytes of the budget's headroom held for other uses before parameters are kept gathered
-    (optimizer state kept on the device under offload: a byte of it saves a host round trip per
-    step, worth far more than a byte of unsharding saves on the device link)."""
+    """Bytes of the budget's headroom held before parameters are kept gathered: optimizer state kept on
+    the device under offload (a byte of it saves a host round trip per step, worth more than unsharding)."""
     compute_dtype_grads: bool = False
     """dp=1 single-micro-batch steps leave the gradients in the compute dtype (no reduction happens,
     so casting them in the graph only doubles their bytes); the optimizer casts them chunk by chunk."""
@@ -71,10 +69,9 @@ class ShardContext:
     """``"auto"`` buckets (and the in-flight cap) may raise the graph's predicted peak by at most this
     factor over none, or by ``bucket_peak_floor`` bytes where that is more."""
     bucket_peak_floor: int = 2**20
-    """Bytes of predicted peak any step may spend on buckets and prefetch whatever its size: 10% of a
-    tiny model's megabyte is a few kilobytes, too little for any bucket, and every collective saved
-    is a latency (about 0.2-1 ms on gloo) saved. One MiB lets a tiny model's collectives merge into
-    one per phase; a large step's 10% is far more than this."""
+    """Bytes of predicted peak any step may spend on buckets and prefetch whatever its size: 10% of a tiny
+    model's megabyte is too little for any bucket, and each collective saved is a latency (about 0.2-1 ms
+    on gloo). One MiB merges a tiny model's collectives into one per phase."""
     schedule: bool = True
     """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it
     (each waited for right after it starts)."""

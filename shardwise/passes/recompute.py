@@ -33,11 +33,9 @@ def apply(gm: fx.GraphModule) -> list[str]:
     kept = {n for n in nodes if n in fwd and n.op != "placeholder" and bwd_users(n)}
     done = []
     for n in nodes:
-        if n not in kept or not elementwise(n) or out in n.users:
-            continue
-        if collective_of(n) is not None or any(collective_of(a) is not None for a in n.all_input_nodes):
-            continue
-        if not all(a.op == "placeholder" or a in kept for a in n.all_input_nodes):
+        if (n not in kept or not elementwise(n) or out in n.users or collective_of(n) is not None
+                or any(collective_of(a) is not None or not (a.op == "placeholder" or a in kept)
+                       for a in n.all_input_nodes)):
             continue
         users = sorted(bwd_users(n), key=pos.__getitem__)
         with g.inserting_before(users[0]):

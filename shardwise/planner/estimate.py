@@ -341,10 +341,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         formulas.insert(4, f"expert parallel = {a2a_per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
                            f"{st.ep} ranks = {g(ep_comm)} s")
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
-                    tp_exposed_s=tp_share * tp_comm,
-                    ep_comm_s=ep_comm,
-                    pp_bubble_s=bubble, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, optimizer_s=optimizer,
-                    tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
+                    tp_exposed_s=tp_share * tp_comm, ep_comm_s=ep_comm, pp_bubble_s=bubble, dp_comm_s=dp_comm,
+                    dp_exposed_s=dp_exposed, optimizer_s=optimizer, tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
                     fits=total <= acc.hbm_bytes, formulas=formulas, cp_comm_s=cp_comm, cp_exposed_s=cp_exposed)
 

@@ -369,9 +369,8 @@ def _all_gather(x: torch.Tensor, ranks: int, group: dist.ProcessGroup) -> torch.
 
     gloo ranks whose tensors are on a GPU gather through host copies."""
     c10d = torch.ops._c10d_functional
-    if _host_staged(group, x):
-        return c10d.wait_tensor(c10d.all_gather_into_tensor(x.cpu(), ranks, group.group_name)).to(x.device)
-    return c10d.wait_tensor(c10d.all_gather_into_tensor(x, ranks, group.group_name))
+    x_in = x.cpu() if _host_staged(group, x) else x
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(x_in, ranks, group.group_name)).to(x.device)
 
 
 def release_to_meta(model: nn.Module) -> None:
