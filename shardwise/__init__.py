@@ -14,18 +14,8 @@ Example::
 
 from . import models
 from .config import MixedPrecision
-from .errors import (
-    BatchMismatchError,
-    BudgetError,
-    CaptureError,
-    CheckpointError,
-    MeshError,
-    OutsideStepError,
-    PlanMismatchError,
-    RankFailure,
-    RankMismatchError,
-    ShardwiseError,
-)
+from .errors import (BatchMismatchError, BudgetError, CaptureError, CheckpointError, MeshError, OutsideStepError,
+                     PlanMismatchError, RankFailure, RankMismatchError, ShardwiseError)
 from .job import Job, compile
 from .runtime.mesh import Mesh, mesh
 from .sharding import Partial, Replicate, Shard

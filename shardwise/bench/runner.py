@@ -183,8 +183,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         if prog.schedule:
             row["schedule"] = {"max_in_flight_mb": prog.schedule["max_in_flight"] / 2**20,
                                "carved_products": prog.carved, "carve_choice": prog.carve_choice,
-                               "max_ops": prog.schedule.get("max_ops"),
-                               "cap_choice": prog.schedule.get("cap_choice"),
+                               "max_ops": prog.schedule.get("max_ops"), "cap_choice": prog.schedule.get("cap_choice"),
                                "bucket_choice": prog.bucket_choice}
             if rank == 0:
                 print(f"{system}: in-flight cap {row['schedule']['max_in_flight_mb']:.1f} MiB"

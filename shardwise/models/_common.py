@@ -45,9 +45,8 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_head: int, n_kv_head: int):
         super().__init__()
         if d_model % n_head or n_head % n_kv_head:
-            raise ValueError(
-                f"Attention: n_head={n_head} must divide d_model={d_model} and n_kv_head={n_kv_head} must divide n_head"
-            )
+            raise ValueError(f"Attention: n_head={n_head} must divide d_model={d_model} and n_kv_head={n_kv_head} "
+                             "must divide n_head")
         self.n_head, self.n_kv, self.hd = n_head, n_kv_head, d_model // n_head
         self.wq = nn.Linear(d_model, n_head * self.hd, bias=False)
         self.wk = nn.Linear(d_model, n_kv_head * self.hd, bias=False)

@@ -26,13 +26,9 @@ def parse(spec: str) -> tuple[str, list]:
 def run(key: str, values: list, m: ModelSpec, cluster_spec: str, st: Strategy, fabric: str | None = None) -> list[dict]:
     rows = []
     for v in values:
-        mm, cc, ss = m, cluster_spec, st
-        if key == "model":
-            mm = model(v)
-        elif key == "cluster":
-            cc = v
-        else:
-            ss = dataclasses.replace(st, **{key: v})
+        mm = model(v) if key == "model" else m
+        cc = v if key == "cluster" else cluster_spec
+        ss = st if key in ("model", "cluster") else dataclasses.replace(st, **{key: v})
         try:
             e = estimate(mm, cluster(cc, fabric), ss)
             rows.append({key: v, "step_s": e.step_s, "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu,

@@ -28,10 +28,9 @@ def _model_hook(job):
             return None
         p = next(module.parameters(), None)
         if p is not None and p.is_meta:
-            raise OutsideStepError(
-                f"job.model holds no weights here: under {job.strategy} they live sharded in the job. Train with "
-                "job.step(batch), evaluate with job.eval_step(batch), and get the weights with "
-                "job.full_state_dict()")
+            raise OutsideStepError(f"job.model holds no weights here: under {job.strategy} they live sharded in the "
+                                   "job. Train with job.step(batch), evaluate with job.eval_step(batch), and get the "
+                                   "weights with job.full_state_dict()")
         if torch.is_grad_enabled():
             raise OutsideStepError(
                 "job.model was called with gradients enabled outside job.step: a backward and optimizer step of "
@@ -46,9 +45,8 @@ def _model_hook(job):
 def _optimizer_hook(job):
     def check(opt, args, kwargs):
         if not job._stepping:
-            raise OutsideStepError(
-                "job.optimizer.step() was called outside job.step: the job reduces the gradients and steps the "
-                "optimizer itself. Call job.step(batch) once per optimizer step")
+            raise OutsideStepError("job.optimizer.step() was called outside job.step: the job reduces the gradients "
+                                   "and steps the optimizer itself. Call job.step(batch) once per optimizer step")
         return None
 
     return check
