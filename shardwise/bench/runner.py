@@ -424,9 +424,7 @@ def _append_to(path: str, rec: dict) -> str:
     if any(cfg.get(k, defaults.get(k)) != rec["config"].get(k, defaults.get(k)) for k in keys):
         return f"bench --append: {path} was made with another configuration: {cfg}"
     rec["config"]["systems"] = systems + rec["config"]["systems"]
-    rec["results"] = rows
-    rec["command"] = command + " ; " + rec["command"]
-    rec["date"] = date
+    rec.update(results=rows, command=command + " ; " + rec["command"], date=date)
     return ""
 
 

@@ -59,9 +59,8 @@ def step_temporaries(per: list[int], defaults: dict, device: str) -> int:
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state once it exists: measured where it does, else from the optimizer's kind."""
-    have = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor))
-    if have:
+    if have := sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor)):
         return have
     # tensors of the parameter's size per parameter, and whether a scalar ``step`` tensor is kept too
     kinds = {torch.optim.Adam: (2, True), torch.optim.AdamW: (2, True), torch.optim.Adamax: (2, True),

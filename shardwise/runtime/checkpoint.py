@@ -138,10 +138,8 @@ def _holdings(job, name: str, t: torch.Tensor) -> list[tuple[torch.Size, torch.T
     real, tp = _real(job, name, t), job.state.tp
     lo = 0 if job.strategy == "ddp" else job.mesh.rank("dp") * job.layouts[name].rows
     d, whole = tp.dim(name) if tp is not None else None, _whole(job, name)
-    runs = []
-    for i, n in enumerate(real.shape):
-        pos = torch.arange(n) + (lo if i == 0 else 0)  # in the tp shard
-        runs.append(_runs(tp.indices(name, whole[i])[pos] if i == d else pos))
+    pos = [torch.arange(n) + (lo if i == 0 else 0) for i, n in enumerate(real.shape)]  # in the tp shard
+    runs = [_runs(tp.indices(name, whole[i])[p] if i == d else p) for i, p in enumerate(pos)]
     out = []
     for combo in itertools.product(*runs):
         view = real
@@ -570,8 +568,7 @@ def _published(directory: str) -> list[str]:
 
 def latest(directory: str) -> str | None:
     """The published checkpoint of the highest step under ``directory``, or None."""
-    found = _published(directory)
-    return found[-1] if found else None
+    return next(reversed(_published(directory)), None)
 
 
 def prune(directory: str, keep: int) -> None:
