@@ -344,7 +344,7 @@ def calibrate_main(args) -> None:
         import dataclasses
 
         from shardwise.costmodel.fused import CALIBRATION_SHAPES, KERNEL_EFFICIENCY
-        from shardwise.kernels import product_share
+        from shardwise.kernels.ag_gemm import product_share
 
         share = torch.tensor([product_share(*s, mesh.device) for s in CALIBRATION_SHAPES], device=mesh.device)
         dist.all_reduce(share, op=dist.ReduceOp.MIN)

@@ -30,9 +30,3 @@ def available(device) -> bool:
         return False
     return True
 
-
-def product_share(m: int, k: int, n: int, device) -> float:
-    """The Triton products' bf16 rate over cuBLAS's on an (m, k) by (k, n) product (``shardwise calibrate``)."""
-    from ._triton import product_share as share
-
-    return share(m, k, n, device)
