@@ -67,6 +67,12 @@ def test_train_with_expert_parallelism(tmp_path):
         rec = json.load(f)
     rows = {r["system"]: r for r in rec["results"]}
     assert set(rows) == {"shardwise", "shardwise:ep=2", "fsdp2"} and all(r["step_s"] for r in rows.values()), rows
+    # a shardwise row on ep=2 x tp=2, its tp products fused through the ring
+    run_cli("bench", "--model", "moe", "--size", "tiny", "--capacity-factor", "1.25", "--nproc", "4", "--tp", "2",
+            "--systems", "shardwise:ep=2+fuse=ring", "--steps", "1", "--warmup", "1", "--out", str(tmp_path / "tp"))
+    with open(next((tmp_path / "tp").glob("*.json"))) as f:
+        (row,) = json.load(f)["results"]
+    assert row["system"] == "shardwise:ep=2+fuse=ring" and row["step_s"], row
 
 
 def test_train_checkpoints_and_resumes_bit_identical(tmp_path, capsys):
@@ -276,7 +282,9 @@ def test_bench_rejects_unknown_systems_and_options(capsys):
         (["--link-profile", "/nonexistent.json"], "shardwise calibrate"),
         (["--tp", "0"], "--tp is the number of tensor-parallel ranks"),
         (["--ep", "2"], "give it to shardwise's rows as a system option, e.g. --systems shardwise,shardwise:ep=2"),
-        (["--tp", "2", "--systems", "shardwise:ep=2"], "does not compose with --tp yet"),
+        (["--tp", "2", "--systems", "shardwise:ep=0"], "ep takes a number of ranks >= 1"),
+        (["--tp", "2", "--systems", "shardwise:fuse=fast"], "fuse takes auto, off, ring or kernel"),
+        (["--systems", "shardwise:fuse=ring"], "with --tp N (N > 1)"),
         (["--capacity-factor", "1.25"], "--capacity-factor sets the MoE's expert capacity: give it with --model moe"),
     ):
         with pytest.raises(SystemExit) as e:

@@ -89,9 +89,11 @@ class BenchConfig:
             raise ValueError(f"bench: --capacity-factor sets the MoE's expert capacity: give it with --model moe, "
                              f"not {self.model}")
         for s in self.systems:
-            ep = options(s).get("ep", 1) if s.startswith("shardwise") else 1
-            if ep < 1 or (ep > 1 and self.tp > 1):
-                raise ValueError(f"bench: {s!r}: ep takes a number of ranks >= 1, and does not compose with --tp yet")
+            opts = options(s) if s.startswith("shardwise") else {}
+            if opts.get("ep", 1) < 1:
+                raise ValueError(f"bench: {s!r}: ep takes a number of ranks >= 1")
+            if opts.get("tp_fuse", "auto") not in ("auto", "off", "ring", "kernel") or ("tp_fuse" in opts and self.tp == 1):
+                raise ValueError(f"bench: {s!r}: fuse takes auto, off, ring or kernel, with --tp N (N > 1)")
         if self.steps < 1 or self.warmup < 1:
             raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
 
@@ -107,7 +109,8 @@ SHARDWISE_OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_
             "fused": ("fused_optimizer", lambda v: bool(int(v))),
             "overlap_update": ("overlap_update", lambda v: bool(int(v))),
             "carveout": ("matmul_sm_carveout", lambda v: v if v == "auto" else None if v == "off" else (int(v) or None)),
-            "ep": ("ep", int)}  # not a compile option: the mesh's ep axis (the row's ranks are dp x ep)
+            "fuse": ("tp_fuse", str),  # with --tp: auto, off, ring or kernel (passes/fuse_tp.py)
+            "ep": ("ep", int)}  # not a compile option: the mesh's ep axis (the row's ranks are dp x ep x tp)
 
 # options of the torch peers (compile, ddp, fsdp2*): ``fsdp2:fused=1`` steps AdamW with its fused kernel
 PEER_OPTIONS = {"fused": ("fused", lambda v: bool(int(v)))}
