@@ -273,8 +273,13 @@ class Compiler:
         else:
             gather = tp.gather or "activation"
             local = tp_pass.partition(*args, gather=gather)[0]
-        # products beside their tp collectives fused (ring or Triton kernels) where predicted faster
-        kernel = available(self.device) and (tp.fuse == "kernel" or dist.get_backend(tp.group) == "nccl")
+        # products beside their tp collectives fused (ring or Triton kernels) where predicted faster;
+        # the kernels' symmetric workspace is not in the memory plan yet, so not under a budget
+        if tp.fuse == "kernel" and self.plan.budget is not None:
+            raise ValueError("tp_fuse='kernel': the kernels' symmetric-memory workspace is not in the memory plan "
+                             "yet, so it cannot run under memory_budget; use tp_fuse='ring' or 'auto', or no budget")
+        kernel = available(self.device) and self.plan.budget is None and (
+            tp.fuse == "kernel" or dist.get_backend(tp.group) == "nccl")
         tp.fuse_choice = fuse_tp.apply(local, tp.fuse, self.ctx.cost, kernel)
         return local, placements, gather
 

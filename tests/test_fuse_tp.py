@@ -183,7 +183,19 @@ def test_a_calibrated_link_carries_the_kernels_rate(tmp_path):
     assert halved > 1.8 * fast
 
 
-def test_tp_fuse_is_refused_where_it_cannot_run():
+def kernels_under_a_budget():
+    model = harness.make_model("llama", "fp64")
+    job = sw.compile(model, optimizer=harness.adamw, mesh=sw.mesh(tp=2), tp_fuse="kernel", memory_budget=2**30)
+    try:
+        job.step(harness.make_batch("llama", 0, 0))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_tp_fuse_is_refused_where_it_cannot_run(pools):
+    for says in pools(2).run(kernels_under_a_budget):
+        assert "not in the memory plan yet" in says
     with pytest.raises(ValueError, match="tp_fuse must be"):
         sw.compile(harness.make_model("llama", "fp64"), optimizer=harness.adamw, tp_fuse="fast")
     with pytest.raises(ValueError, match="use a mesh with one"):
