@@ -29,6 +29,7 @@ import triton.language as tl
 
 from . import BLOCK_M, applies
 
+
 def config(n: int, k: int) -> dict:
     """The tile shape and launch of the products (fixed per shape, never autotuned: every rank must
     tile alike, since a reduce-scatter's counts are numbers of tiles)."""
@@ -306,10 +307,10 @@ def ag_gemm(x: torch.Tensor, ws: list[torch.Tensor], dim: int, name: str) -> lis
     if space is not None:
         main.wait_stream(space.side)
         space.flags.zero_()
-    gathered = stacked.view(ranks * rows, k).view(-1) if outer == 1 else stacked.movedim(0, dim)
     shape = list(x.shape)
     shape[dim] *= ranks
-    return [gathered.reshape(shape), *outs]
+    # the shards side by side along ``dim``: the stacked buffer itself where no dim precedes it
+    return [(stacked if outer == 1 else stacked.movedim(0, dim)).reshape(shape), *outs]
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None, shape: list[int], dim: int,
