@@ -32,62 +32,39 @@ _JOBS = iter(range(1, 1 << 62))
 """Job numbers of this process: the same on every rank that builds its jobs alike."""
 
 
-def compile(
-    model: nn.Module,
-    optimizer: Callable | None = None,
-    strategy: str = "zero3",
-    mesh: Mesh | None = None,
-    *,
-    loss_fn: Callable | None = None,
-    model_inputs=None,
-    mixed_precision: MixedPrecision | None = None,
-    clip_grad_norm: float | None = None,
-    compile: str | None = None,
-    bucket_mb: float = 25.0,
-    shard_bucket_mb: float | str | None = "auto",
-    schedule: bool = True,
-    max_in_flight_mb: float | None = None,
-    max_in_flight_ops: int | None = None,
-    memory_budget: int | float | None = None,
-    keep_gathered=None,
-    offload_optimizer: bool | str = False,
-    offload_chunk_mb: float = 64,
-    offload_overlap: bool = True,
-    offload_host_update: bool | float | str = "auto",
-    recompute: bool = False,
-    offload_activations: bool = False,
-    fused_optimizer: bool | None = None,
-    overlap_update: bool = False,
-    matmul_sm_carveout: int | str | None = "auto",
-    link_profile=None,
-    tp_plan=None,
-    sequence_parallel: bool = False,
-    allow_replicate: bool = False,
-    vocab_parallel: bool | None = None,
-    tp_fuse: str = "auto",
-    ep_plan=None,
-    ep_capacity_factor: float | str | None = None,
-    ep_split: int = 1,
-    timeout: float | None = 100.0,
-) -> "Job":
+def compile(model: nn.Module, optimizer: Callable | None = None, strategy: str = "zero3", mesh: Mesh | None = None, *,
+            loss_fn: Callable | None = None, model_inputs=None, mixed_precision: MixedPrecision | None = None,
+            clip_grad_norm: float | None = None, compile: str | None = None,
+            bucket_mb: float = 25.0, shard_bucket_mb: float | str | None = "auto", schedule: bool = True,
+            max_in_flight_mb: float | None = None, max_in_flight_ops: int | None = None,
+            memory_budget: int | float | None = None, keep_gathered=None, recompute: bool = False,
+            offload_activations: bool = False,
+            offload_optimizer: bool | str = False, offload_chunk_mb: float = 64, offload_overlap: bool = True,
+            offload_host_update: bool | float | str = "auto",
+            fused_optimizer: bool | None = None, overlap_update: bool = False,
+            matmul_sm_carveout: int | str | None = "auto", link_profile=None,
+            tp_plan=None, sequence_parallel: bool = False, allow_replicate: bool = False,
+            vocab_parallel: bool | None = None, tp_fuse: str = "auto",
+            ep_plan=None, ep_capacity_factor: float | str | None = None, ep_split: int = 1,
+            timeout: float | None = 100.0) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 
     ``optimizer`` is a factory called with ``(name, tensor)`` pairs of this rank's trainable state
     (shards under zero1-3), like ``model.named_parameters()`` yields them, so groups can be built by
     name. The model's forward must return the loss (a scalar, or an object with ``.loss``), or pass
     ``loss_fn(outputs, batch)``; ``model_inputs`` says what of the batch the model takes (``0``: a
-    classifier's ``model(x)``, its labels left to ``loss_fn``). ``strategy`` is what the data-parallel axis of ``mesh`` does (ddp,
-    zero1, zero2, zero3); ``compile`` the executor (None or "fx": the FX graph op by op; "inductor").
-    Every other keyword is documented where it is validated, as a field of its group in config.py:
-    precision (``MixedPrecision``), buckets and the schedule (``ScheduleOptions``: ``bucket_mb``,
-    ``shard_bucket_mb``, ``schedule``, ``max_in_flight_mb``, ``max_in_flight_ops``), the memory plan
-    (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``, ``offload_activations``),
-    optimizer offload (``OffloadOptions``), the update (``UpdateOptions``: ``clip_grad_norm``,
-    ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and, where ``mesh`` has
-    a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate``, ``vocab_parallel`` and ``tp_fuse``, where it
-    has an ep axis ``ep_plan``, ``ep_capacity_factor`` and ``ep_split``, and the
-    ``timeout`` a step may wait on other ranks (``JobConfig``).
-    README.md says what each does and what it measured.
+    classifier's ``model(x)``, its labels left to ``loss_fn``). ``strategy`` is what the data-parallel
+    axis of ``mesh`` does (ddp, zero1, zero2, zero3); ``compile`` the executor (None or "fx": the FX
+    graph op by op; "inductor"). Every other keyword is documented where it is validated, as a field of
+    its group in config.py: precision (``MixedPrecision``), buckets and the schedule (``ScheduleOptions``:
+    ``bucket_mb``, ``shard_bucket_mb``, ``schedule``, ``max_in_flight_mb``, ``max_in_flight_ops``), the
+    memory plan (``MemoryOptions``: ``memory_budget``, ``keep_gathered``, ``recompute``,
+    ``offload_activations``), optimizer offload (``OffloadOptions``), the update (``UpdateOptions``:
+    ``clip_grad_norm``, ``fused_optimizer``, ``overlap_update``), the SM carveout, the link profile and,
+    where ``mesh`` has a tp axis, ``tp_plan``, ``sequence_parallel``, ``allow_replicate``,
+    ``vocab_parallel`` and ``tp_fuse``, where it has an ep axis ``ep_plan``, ``ep_capacity_factor`` and
+    ``ep_split``, and the ``timeout`` a step may wait on other ranks (``JobConfig``). README.md says
+    what each does and what it measured.
 
     Example::
 
