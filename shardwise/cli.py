@@ -208,8 +208,6 @@ def mesh_args(p) -> None:
 def mesh_of(args):
     import shardwise as sw
 
-    if args.sp and args.tp <= 1:
-        raise SystemExit("--sp shards the sequence over the tensor-parallel ranks: give --tp N (N > 1) with it")
     if not args.init_timeout > 0:
         raise SystemExit(f"--init-timeout must be > 0 seconds, got {args.init_timeout}")
     if args.ep < 1 or args.tp < 1:
@@ -219,11 +217,8 @@ def mesh_of(args):
 
 
 def tp_kw(args) -> dict:
-    if args.vocab_parallel != "auto" and args.tp <= 1:
-        raise SystemExit("--vocab-parallel cuts the LM head over the tensor-parallel ranks: give --tp N (N > 1)")
+    """compile() keywords of the tp and ep flags (``main`` has checked them)."""
     split = getattr(args, "ep_split", 1)
-    if split != 1 and args.ep <= 1:
-        raise SystemExit("--ep-split splits the batch for expert parallelism: give --ep N (N > 1) with it")
     return {**({"sequence_parallel": True} if args.sp else {}), **({"ep_split": split} if split != 1 else {}),
             **({"vocab_parallel": args.vocab_parallel == "on"} if args.vocab_parallel != "auto" else {}),
             **({"tp_fuse": args.tp_fuse} if args.tp > 1 else {})}
@@ -398,6 +393,8 @@ def _plan_parser(sub) -> None:
                    help="rank numbering, innermost first: Megatron-LM's (default) or Megatron-Core's")
     p.add_argument("--reduce-fp32", action="store_true", help="gradients kept and reduced in fp32")
     p.add_argument("--unfused-attention", action="store_true", help="no flash kernel: the scores kept for the backward")
+    p.add_argument("--eager", action="store_true",
+                   help="the stack runs PyTorch eagerly: a rotary model's norms and rotary embedding unfused")
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
     p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
                    help="share of tp communication exposed (0: overlapped; default: all on GPUs, the dp share on TPUs)")
@@ -428,26 +425,10 @@ def plan_main(args) -> None:
     from shardwise.planner.models import model
 
     if args.validate:
-        from shardwise.planner.validation import (
-            collective_markdown,
-            collective_table,
-            markdown,
-            memory_markdown,
-            memory_table,
-            summary,
-            table,
-            vtrain_all,
-            vtrain_summary,
-        )
+        from shardwise.planner import validation as v
 
-        print(summary(rows := table()) + "\n")
-        print(markdown(rows))
-        print()
-        print(vtrain_summary(vtrain_all()))
-        print()
-        print(collective_markdown(collective_table()))
-        print()
-        print(memory_markdown(memory_table()))
+        print(v.summary(rows := v.table()), v.markdown(rows), v.vtrain_summary(v.vtrain_all()),
+              v.collective_markdown(v.collective_table()), v.memory_markdown(v.memory_table()), sep="\n\n")
         return
     if args.sweep in ("grad-sync", "latency"):
         from shardwise.planner import sweep
@@ -475,7 +456,7 @@ def plan_main(args) -> None:
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
                       capacity=args.capacity, fused_attention=not args.unfused_attention,
                       tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed, rank_order=args.rank_order,
-                      reduce_fp32=args.reduce_fp32, cp=args.cp)
+                      reduce_fp32=args.reduce_fp32, cp=args.cp, eager=args.eager)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:
