@@ -4,31 +4,26 @@ The passes put these in the step graph; the FX executor and inductor run them al
 library kernels to inductor, run in the graph's order). Each op registers what the cost model needs
 to know about it in the op registry (sharding/ops.py).
 
-**Activation offload** (passes/actoffload.py).
-``shardwise::to_host(x)`` starts copying ``x`` into a pinned host buffer on a copy-out stream and
-returns that buffer at once; ``shardwise::to_device(h, like)`` starts copying it back on a copy-in
-stream (once the copy out has finished) into a buffer made on the compute stream, and registers on that buffer a work the
-graph's ``wait_tensor`` before the value's first reader waits for. The compute stream never waits
-for the copy out, and waits for the copy in only where the value is read (passes/actoffload.py
-starts it early enough for the copy to hide behind compute). The
-copy stream records its use of ``x`` (the allocator then cannot hand ``x``'s memory to the compute
-stream before the copy has read it) and the host allocator keeps each pinned buffer until the
-copies that use it have finished.
+**Activation offload** (passes/actoffload.py). ``shardwise::to_host(x)`` starts copying ``x`` into a
+pinned host buffer on a copy-out stream and returns that buffer at once; ``shardwise::to_device(h, like)``
+starts copying it back on a copy-in stream (once the copy out has finished) into a buffer made on the
+compute stream, and registers on that buffer a work the graph's ``wait_tensor`` before the value's first
+reader waits for. The compute stream never waits for the copy out, and waits for the copy in only where
+the value is read (the pass starts it early enough to hide behind compute). The copy stream records its
+use of ``x`` (the allocator then cannot hand ``x``'s memory to the compute stream before the copy has
+read it) and the host allocator keeps each pinned buffer until the copies that use it have finished.
+Both ops are functional (they return new tensors). On CPU the host is a second buffer pool: plain
+copies, the same graph and the same code path.
 
-On CPU the host is a second buffer pool: plain copies, the same graph and the same code path.
-Both ops are functional (they return new tensors), so the FX executor and inductor run them alike;
-inductor calls them as library kernels, in the graph's order.
-
-**SM-carved products** (passes/carveout.py).
-Hopper's cuBLAS products are persistent kernels: one block per SM on every SM. A collective kernel
-queued behind one gets no SM until it ends, so a gather and the product beside it take turns instead
-of overlapping (bench/results/2026-11-30-h200x2-sitting6-summary.md, the MoE forward). torch's
-experimental SM carveout makes cuBLASLt size a product for fewer SMs. Each op here runs one product
-with the carveout set, through cuBLASLt (the path that honours it on every torch we support), and
-puts both settings back before it returns (also when it raises). The carveout pass
-(passes/carveout.py) swaps them in for the products the cost model predicts to run beside a
-collective. A product is one extern call under inductor too, so the setting cannot leak onto
-another kernel. On CPU they are the plain products.
+**SM-carved products** (passes/carveout.py). Hopper's cuBLAS products are persistent kernels: one block
+per SM on every SM. A collective kernel queued behind one gets no SM until it ends, so a gather and the
+product beside it take turns instead of overlapping (bench/results/2026-11-30-h200x2-sitting6-summary.md,
+the MoE forward). torch's experimental SM carveout makes cuBLASLt size a product for fewer SMs. Each op
+here runs one product with the carveout set, through cuBLASLt (the path that honours it on every torch we
+support), and puts both settings back before it returns (also when it raises). The carveout pass swaps
+them in for the products the cost model predicts to run beside a collective. A product is one extern
+call under inductor too, so the setting cannot leak onto another kernel. On CPU they are the plain
+products.
 
 **Readiness** (passes/ready.py, runtime/update.py, runtime/offload.py): ``ReadyWork`` and
 ``HostReadyWork`` are works registered on a tensor; the graph's ``wait_tensor`` on it waits for them.
