@@ -700,8 +700,8 @@ def tp_refused(plan: dict):
     return err, whole
 
 
-class CumsumNet(torch.nn.Module):
-    """Two products around an op no sharding rule knows (a cumulative sum)."""
+class UnruledNet(torch.nn.Module):
+    """Two products around an op no sharding rule knows (a cumulative product)."""
 
     def __init__(self):
         super().__init__()
@@ -709,7 +709,7 @@ class CumsumNet(torch.nn.Module):
         self.up, self.down = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False)
 
     def forward(self, x, y):
-        return torch.nn.functional.mse_loss(self.down(self.up(x).cumsum(-1)), y)
+        return torch.nn.functional.mse_loss(self.down(self.up(x).cumprod(-1)), y)
 
 
 class MarkedNet(torch.nn.Module):
@@ -735,17 +735,17 @@ def marked_run(tp: int | None, mark: bool = True):
     job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=tp),
                      **({"tp_plan": {}} if tp else {}))
     for _ in range(2):
-        job.step(cumsum_batch())
+        job.step(unruled_batch())
     prog = job.programs()[0]
     hints = len(prog.gm.graph.find_nodes(op="call_function", target=torch.ops.shardwise.shard_hint.default))
     return dict(prog.counts("tp")), dict(prog.counts("dp")), hints, job.full_state_dict()
 
 
 def small_net_reference(model, steps: int = 2) -> dict:
-    """The state of a small test net (CumsumNet, MarkedNet) after ``steps`` eager AdamW steps on one process."""
+    """The state of a small test net (UnruledNet, MarkedNet) after ``steps`` eager AdamW steps on one process."""
     opt = adamw(list(model.parameters()))
     for _ in range(steps):
-        model(*cumsum_batch()).backward()
+        model(*unruled_batch()).backward()
         opt.step()
         opt.zero_grad()
     return model.state_dict()
@@ -786,24 +786,24 @@ def padded_run(tp: int | None, **kw):
     return losses, job.full_state_dict(), (job.tp.placements if tp else None), counts
 
 
-def cumsum_batch():
+def unruled_batch():
     g = torch.Generator().manual_seed(0)
     return torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)
 
 
 def tp_unruled(plan, **kw):
-    """Two steps of CumsumNet at tp=2 under ``plan``: ("ok", tp collectives, full_state_dict, warnings) or
+    """Two steps of UnruledNet at tp=2 under ``plan``: ("ok", tp collectives, full_state_dict, warnings) or
     ("error", message, model whole?)."""
     import warnings
 
-    model = CumsumNet().double()
+    model = UnruledNet().double()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     job = sw.compile(model, optimizer=adamw, strategy="ddp", mesh=sw.mesh(tp=2), tp_plan=plan, **kw)
     try:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for _ in range(2):
-                job.step(cumsum_batch())
+                job.step(unruled_batch())
     except ValueError as e:
         return "error", str(e), all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     return "ok", sum(job.programs()[0].counts("tp").values()), job.full_state_dict(), [str(w.message) for w in seen]

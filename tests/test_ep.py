@@ -113,19 +113,27 @@ def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_pat
         assert abs(loss - full[3]) <= 1e-12 * abs(full[3]) and harness.rel_param_err(sd, sd_full) <= 1e-12, (ep, strategy)
 
 
-@pytest.mark.parametrize("strategy,split", [("ddp", 1), ("zero3", 1), ("zero3", 2)])
-def test_expert_and_tensor_parallelism_together(pools, strategy, split):
+@pytest.mark.parametrize("strategy,split,sp", [("ddp", 1, False), ("zero3", 1, False), ("zero3", 2, False),
+                                               ("zero3", 1, True)])
+def test_expert_and_tensor_parallelism_together(pools, strategy, split, sp):
     """ep=2 x tp=2 (4 ranks): the attention cut over tp (Megatron's plan), the experts over ep, each tp
-    pair taking one batch (with ``split``, as two interleaved halves); fp64 parity with one device
-    averaging the two batches. The graph has the MoE layers' all-to-alls on ep (each half's) and the
-    attention's all-reduces on tp."""
+    pair taking one batch (with ``split``, as two interleaved halves; with ``sp``, its tokens in
+    sequence shards between the tp products); fp64 parity with one device averaging the two batches.
+    The graph has the MoE layers' all-to-alls on ep (each half's) and the attention's all-reduces on tp
+    (under sp: its reduce-scatters, and the capacity dispatch's gathers of the sharded tokens, its
+    positions being a running sum over all of them; every op placed by a rule, none read whole
+    by ``allow_replicate``)."""
     steps = 3
     ref, ref_sd = harness.reference("moe", "fp64", 2, steps, (("capacity_factor", 2.0),))
-    losses, sd, counts, explain = pools(4).run(harness.ep_tp_run, strategy, steps, ep_split=split)[0]
+    kw = {"sequence_parallel": True} if sp else {"ep_split": split}
+    losses, sd, counts, explain = pools(4).run(harness.ep_tp_run, strategy, steps, **kw)[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-10, (losses, ref)
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
     assert counts[("ep", "all_to_all", "fwd")] == 4 * split and counts[("ep", "all_to_all", "bwd")] == 4 * split, counts
-    assert counts[("tp", "all_reduce", "fwd")] > 0, counts
+    if sp:
+        assert counts[("tp", "reduce_scatter", "fwd")] == 2 and counts[("tp", "all_gather", "fwd")] >= 2 * 4, counts
+    else:
+        assert counts[("tp", "all_reduce", "fwd")] > 0 and counts[("tp", "reduce_scatter", "fwd")] == 0, counts
     rows = {ln.split()[0]: ln.split() for ln in explain.splitlines() if ln.startswith("  blocks.0.")}
     assert "(2, 32, 32) " in explain and "tp R ep S(0)" in " ".join(rows["blocks.0.ffn.w1"]), rows
     assert "tp S(0) ep R" in " ".join(rows["blocks.0.attn.wq.weight"]), rows

@@ -91,14 +91,54 @@ def test_products_follow_their_einsum():
     assert _mm(Shard(0), Shard(0)) == (Shard(0), [("b", "all_gather")])
 
 
+def _op(target, shapes, placements, extra=(), out_shape=None):
+    """One ``target`` call on placeholders of ``shapes`` (int64 where the name says idx) placed so:
+    (its output's placement, the reshards it needs as (input, kind))."""
+    g = torch.fx.Graph()
+    phs = []
+    for i, (shape, p) in enumerate(zip(shapes, placements)):
+        ph = g.placeholder(f"in{i}")
+        ph.meta["val"] = torch.empty(shape) if not isinstance(shape, tuple) or shape and shape[-1] != "idx" \
+            else torch.empty(shape[:-1], dtype=torch.long)
+        phs.append(ph)
+    args = [phs[0], *extra[:1], *phs[1:], *extra[1:]] if extra else phs
+    y = g.call_function(target, tuple(args))
+    y.meta["val"] = torch.empty(out_shape or shapes[0])
+    g.output([y])
+    plan = propagate(torch.fx.GraphModule(torch.nn.Module(), g), dict(zip(phs, placements)), 2)
+    return plan.placements[y], [(r.arg.name, r.kind) for r in plan.reshards]
+
+
+def test_a_capacity_dispatchs_ops_follow_their_rules():
+    """The ops of an MoE capacity dispatch on token shards (sequence parallelism): a running sum over
+    the sharded tokens gathers them; a row pick by sharded indices is that shard of the rows; its
+    gradient gathers its sharded rows; a buffer write takes the buffer's placement."""
+    cumsum = aten.cumsum.default
+    assert _op(cumsum, [(8, 4)], [Shard(0)], extra=(0,)) == (Replicate(), [("in0", "all_gather")])
+    assert _op(cumsum, [(8, 4)], [Shard(1)], extra=(0,)) == (Shard(1), [])
+    assert _op(cumsum, [(8, 4)], [Partial()], extra=(0,)) == (Partial(), [])
+    pick = aten.index_select.default
+    assert _op(pick, [(10, 4), (6, "idx")], [Replicate(), Shard(0)], extra=(0,), out_shape=(6, 4)) == (Shard(0), [])
+    assert _op(pick, [(10, 4), (6, "idx")], [Shard(0), Replicate()], extra=(0,), out_shape=(6, 4)) == \
+        (Replicate(), [("in0", "all_gather")])
+    assert _op(pick, [(10, 4), (6, "idx")], [Shard(1), Shard(0)], extra=(0,), out_shape=(6, 4)) == \
+        (Shard(1), [("in1", "all_gather")])
+    add = aten.index_add.default
+    assert _op(add, [(10, 4), (6, "idx"), (6, 4)], [Replicate(), Shard(0), Shard(0)], extra=(0,)) == \
+        (Replicate(), [("in1", "all_gather"), ("in2", "all_gather")])
+    assert _op(add, [(10, 4), (6, "idx"), (6, 4)], [Replicate(), Replicate(), Partial()], extra=(0,)) == \
+        (Partial(), [("in0", "one_rank")])
+    assert _op(aten.copy_.default, [(), ()], [Replicate(), Partial()]) == (Replicate(), [("in1", "all_reduce")])
+
+
 def test_an_op_without_a_rule_is_an_error_naming_it():
     g = torch.fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(4, 8)
-    y = g.call_function(aten.cumsum.default, (x, 1))
+    y = g.call_function(aten.cumprod.default, (x, 1))
     y.meta["val"] = torch.empty(4, 8)
     g.output([y])
-    with pytest.raises(ShardingError, match=r"no sharding rule for aten\.cumsum\.default \(node cumsum_default, inputs placed "
+    with pytest.raises(ShardingError, match=r"no sharding rule for aten\.cumprod\.default \(node cumprod_default, inputs placed "
                                             r"\{'x': 'S\(1\)'\}\)"):
         propagate(torch.fx.GraphModule(torch.nn.Module(), g), {x: Shard(1)}, 2)
 

@@ -89,6 +89,22 @@ def along(node, place, ranks):
     return {}, outputs_like(node, p)
 
 
+def scan(node, place, ranks):
+    """A running sum along one dim: a partial value stays partial (the scan is linear), a shard of
+    another dim passes; its own dim sharded is needed whole."""
+    x = node.args[0]
+    p = place(x)
+    if isinstance(p, Shard) and p.dim == dim(node.args[1], val(x).dim()):
+        return {x: R}, R
+    return {}, p
+
+
+def copy_into(node, place, ranks):
+    """``dst.copy_(src)`` (a buffer's new value written back): ``src`` takes ``dst``'s placement."""
+    dst, src = node.args[0], node.args[1]
+    return ({src: place(dst)} if place(src) != place(dst) else {}), place(dst)
+
+
 def layer_norm(node, place, ranks):
     x = node.args[0]
     p, nd, k = place(x), val(x).dim(), len(node.args[1])
@@ -111,6 +127,8 @@ register(aten.sum.dim_IntList, aten.sum.default, rule=sum_)
 register(aten.mean.dim, rule=mean)
 register(aten._softmax.default, aten._log_softmax.default, "aten._safe_softmax", rule=softmax)
 register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default, rule=softmax_backward)
+register(aten.cumsum.default, rule=scan)
+register(aten.copy_.default, aten.copy.default, rule=copy_into)
 register(aten.topk.default, aten.sort.default, aten.max.dim, aten.min.dim, rule=along)
 register(aten.native_layer_norm.default, rule=layer_norm)
 register(aten.native_layer_norm_backward.default, rule=layer_norm_backward)

@@ -173,6 +173,36 @@ def indexed(node, place, ranks):
     return {a: R for a in xs if place(a) != R}, R
 
 
+def index_select(node, place, ranks):
+    """``x.index_select(d, idx)``: whole rows picked by a shard of the indices are that shard of the
+    rows (a dispatch's pairs, by token); a shard of another dim, or a partial ``x``, passes with whole
+    indices; else all whole."""
+    x, idx = node.args[0], node.args[2]
+    px, pi = place(x), place(idx)
+    d = dim(node.args[1], val(x).dim())
+    if px == R and isinstance(pi, Shard):
+        return {}, pi.moved(d)
+    if isinstance(px, Partial) or isinstance(px, Shard) and px.dim != d:
+        return ({idx: R} if pi != R else {}), px
+    return {a: R for a in (x, idx) if place(a) != R}, R
+
+
+def index_add(node, place, ranks):
+    """``x.index_add(d, idx, src)`` (an index_select's gradient): a partial source with whole indices
+    adds into ``x`` partial too; a shard of another dim passes with whole indices; shards of the
+    indices and source rows are gathered, for the rows added into are read whole next (a dispatch
+    buffer's gradient, read by products of replicated weights: partial, it would be reduced later
+    as those products' larger values, the weights' gradients among them)."""
+    x, idx, src = node.args[0], node.args[2], node.args[3]
+    px, pi, ps = place(x), place(idx), place(src)
+    d = dim(node.args[1], val(x).dim())
+    if isinstance(ps, Partial) and pi == R:
+        return ({x: Partial()} if px != Partial() else {}), Partial()
+    if isinstance(ps, Shard) and ps.dim != d and px in (R, ps) and pi == R:
+        return ({x: ps} if px != ps else {}), ps
+    return {a: R for a in (x, idx, src) if place(a) != R}, R
+
+
 def cat(node, place, ranks):
     xs = [a for a in node.args[0] if val(a) is not None and val(a).numel()]
     ps = {place(a) for a in xs}
@@ -202,6 +232,8 @@ register(aten.slice.Tensor, rule=slice_)
 register(aten.select.int, rule=select)
 register(aten.split.Tensor, aten.split_with_sizes.default, rule=split)
 register(aten.cat.default, rule=cat)
+register(aten.index_select.default, rule=index_select)
+register(aten.index_add.default, rule=index_add)
 register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two,
          rule=indexed)
 register(aten.slice_backward.default, aten.select_backward.default, rule=slice_backward)
