@@ -108,8 +108,9 @@ def test_predictions_hold_the_published_runs_within_10pct():
     rows = table()
     kor = [r for r in rows if r["source"] == "korthikanti"]
     # fitted: two Korthikanti runs (the A100 share), our one-H200 run (Hopper's), MaxText's 32B (v5p's)
-    # and 16B (v5e's)
-    assert len(kor) == 8 and sum(r["fitted"] for r in rows) == 5
+    # and 16B (v5e's), MaxText's 64B on 2 and 32 v5e slices (the data-center spine), torchtitan's eager
+    # 8-GPU run (eager norms and rotary embedding)
+    assert len(kor) == 8 and sum(r["fitted"] for r in rows) == 8
     for r in kor:
         assert abs(r["error"]) <= 0.10, r
     # vTrain's fastest configurations, blind: the three large models within 10% (the 3.6B one is 27%
@@ -154,13 +155,12 @@ def test_predictions_hold_the_published_runs_within_10pct():
     assert len(one) == 2
     for r in one:
         assert abs(r["error"]) <= 0.10, r
-    # and on 2-32 slices over the data-center network (FSDP in a slice, data parallel across), blind:
-    # 10 of 15 within 10%; the 64B model on 4-32 slices is 11-20% fast (the README's slowdown there is
-    # several times what the DCN all-reduce costs even if nothing hid it; 13 of 15 were within 10%
-    # while the closed form kept a tenth of the communication exposed)
-    many = {r["run"]: r["error"] for r in rows if r["source"] == "maxtext_v5e" and " x TPU" in r["run"]}
-    assert len(many) == 15 and sum(abs(e) <= 0.10 for e in many.values()) >= 10, many
-    assert all(e < 0 for k, e in many.items() if k.startswith("64B")), many
+    # and on 2-32 slices over the data-center network (FSDP in a slice, data parallel across): the 13
+    # blind ones within 10% (10 of 15 were while the cross-slice all-reduce hid behind the backward on
+    # the NICs' bandwidth alone; the spine is fitted on the 64B model's growth from 2 to 32 slices)
+    many = {r["run"]: r for r in rows if r["source"] == "maxtext_v5e" and " x TPU" in r["run"]}
+    blind = [r["error"] for r in many.values() if not r["fitted"]]
+    assert len(many) == 15 and len(blind) == 13 and all(abs(e) <= 0.10 for e in blind), many
 
 
 def test_wide_heads_and_tensor_parallel_across_torus_axes():
@@ -430,6 +430,44 @@ def test_multi_slice_tpu_clusters_join_slices_over_the_data_center_network():
         cluster("tpu-v5e:16x16*two")
 
 
+def test_slices_share_one_data_center_spine_and_reduce_across_it_after_the_backward():
+    from shardwise.planner.clusters import DCN_SPINE
+
+    # up to 4 v5e-256 slices a chip has its host's NICs' share; beyond, the spine's share of the chips
+    nic = 200e9 / 8 / 8
+    assert cluster("tpu-v5e:16x16*4").dims[2][1].busbw == pytest.approx(nic)
+    c32 = cluster("tpu-v5e:16x16*32")
+    assert c32.dims[2][1].busbw == pytest.approx(DCN_SPINE / 8192) and DCN_SPINE / 8192 < nic / 6
+    assert "spine" in str(c32)
+    # the shards' all-reduce across the slices is exposed whole, after the backward (XLA's); one slice
+    # has none, and a GPU cluster's replicas still reduce under the backward
+    m, st = model("llama3-8b"), Strategy(zero=3, shard=256, micro_batch=2, seq=2048)
+    one, many = estimate(m, cluster("tpu-v5e:16x16"), Strategy(zero=3, micro_batch=2, seq=2048)), estimate(m, c32, st)
+    late = c32.collective_s("all_reduce", 2.0 * m.params() / 256, 32, 256)
+    assert many.dp_exposed_s >= late > 0.1 * one.step_s and many.step_s - one.step_s >= 0.9 * late
+    assert "all-reduced across the sharding groups after the backward" in "\n".join(many.formulas)
+    gpu = estimate(m, cluster("dgx-h100:4"), Strategy(zero=3, shard=8, micro_batch=2, seq=2048))
+    assert gpu.dp_exposed_s < 0.5 * gpu.dp_comm_s and "after the backward" not in "\n".join(gpu.formulas)
+
+
+def test_an_eager_stack_moves_more_bytes_through_a_rotary_models_norms(capsys):
+    from shardwise.cli import main
+    from shardwise.planner.models import EAGER_BYTES
+
+    # torchtitan without torch.compile: RMSNorm and the rotary embedding as decomposed fp32 ops
+    m, c = model("llama3-8b"), cluster("dgx-h100:1@500W")
+    st = Strategy(zero=3, micro_batch=2, global_batch=16, seq=8192, recompute="selective-op")
+    compiled, eager = estimate(m, c, st), estimate(m, c, dataclasses.replace(st, eager=True))
+    more = EAGER_BYTES * m.hidden * 4 * m.layers * 16 * 8192 / 8 / (c.accel.hbm_bw * c.accel.mem_eff)
+    assert eager.compute_s - compiled.compute_s == pytest.approx(more)  # a forward, its backward, its rerun
+    assert "eager: its norms and rotary embedding unfused" in "\n".join(eager.formulas)
+    # a model of learned positions and LayerNorm (MPT) runs its kernels as counted
+    mpt = dataclasses.replace(m, learned_positions=8192)
+    assert estimate(mpt, c, dataclasses.replace(st, eager=True)).step_s == estimate(mpt, c, st).step_s
+    main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--zero", "3", "--eager", "--explain"])
+    assert "rotary embedding unfused" in capsys.readouterr().out
+
+
 def test_block_recomputation_reruns_each_layer_but_its_down_projection():
     # torch.utils.checkpoint per layer (FSDP2, shardwise's captured step; XLA's remat after dead-code
     # elimination): the backward needs the layer's last product only as the next layer's saved input
@@ -494,8 +532,8 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (94, 89)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 62
+    assert (len(rows), len(blind)) == (94, 86)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 70  # 62 of 89 before the spine and the eager term
 
 
 @pytest.mark.parametrize("size", ["22B", "175B", "530B"])

@@ -81,7 +81,7 @@ class Level:
         return _by_kind(self.busbw, kind)
 
     def __str__(self) -> str:
-        return f"{self.name} {self.bw() / 1e9:.0f} GB/s"
+        return f"{self.name} {self.bw() / 1e9:.3g} GB/s"
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,10 @@ ICI_HOP_S = 1e-6  # about 1 µs per hop (scaling-book)
 # slices of a multi-slice job meet over the data-center network: per chip, its host's NICs shared by
 # the host's chips (Cloud TPU documentation, v5e: 2 x 100 Gb/s per host of 8 chips, 6.4 Tb/s per pod)
 DCN = {"tpu-v5e": Level("DCN (2 x 100 Gb/s per host of 8 chips)", 2 * 100e9 / 8 / 8, 14e-6)}
+DCN_SPINE = 3.9e12
+"""Bytes/s the data-center network carries between all the slices of a job together (31 Tb/s): a
+chip's share falls below its host's NICs' beyond 4 v5e-256 slices. Fitted on MaxText's 64B step
+growing by 1.86 s from 2 to 32 v5e slices (data/runs.toml, its two rows marked fitted)."""
 
 
 def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
@@ -104,7 +108,10 @@ def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
     dims = tuple((n, Level(f"ICI {'torus' if n % full == 0 else 'line'}", link * (2 if n % full == 0 else 1),
                            ICI_HOP_S)) for n in sizes)
     if slices > 1:
-        dims += ((slices, DCN[name]),)
+        nic, chips = DCN[name], slices * sizes[0] * sizes[1]
+        share = min(nic.busbw, DCN_SPINE / chips)
+        dims += ((slices, dataclasses.replace(nic, busbw=share, name=nic.name + (
+            f", its {DCN_SPINE * 8 / 1e12:g} Tb/s spine shared by {chips} chips" if share < nic.busbw else ""))),)
     return ClusterSpec(spec, accel, Topology(spec, dims, rings=False))
 
 

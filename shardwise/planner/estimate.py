@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..costmodel.optimizer import update_time
 from .clusters import ClusterSpec
-from .models import ModelSpec
+from .models import EAGER_BYTES, ModelSpec
 from .timeline import LayerCosts, zero3_step
 
 
@@ -101,6 +101,9 @@ class Strategy:
     reduce_fp32: bool = False
     """Gradients held and reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``); the
     weights still gathered in 16-bit."""
+    eager: bool = False
+    """The stack runs PyTorch eagerly, without fused norm and rotary kernels (torchtitan without
+    torch.compile): those move more bytes (models.EAGER_BYTES)."""
     rank_order: str = "tp-pp-dp"
     """Rank numbering, innermost first: Megatron-LM's ``tp-pp-dp`` (an ep group ``tp·pp`` ranks apart)
     or Megatron-Core's ``tp-ep-dp-pp`` (ep next to tp, pipeline outermost)."""
@@ -203,7 +206,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
     # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
-    ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
+    ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity, st.eager)
     elementwise = tokens / sdp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
     compute = matmul + elementwise
 
@@ -255,38 +258,47 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     def group(n):  # the sharding group of a data-parallel axis of n ranks
         return n if st.shard is None else min(st.shard, n)
 
+    def across(params, n, stride):  # hybrid sharding: a gradient shard all-reduced with its replicas
+        s = group(n)
+        return cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s) if n > s and params else 0.0
+
     def reduce(params, n, stride):  # the gradients reduced (gbytes each), the 16-bit weights gathered
         if st.zero == 0:
             return cluster.collective_s("all_reduce", gbytes * params, n, stride)
         s = group(n)
-        inside = (cluster.collective_s("reduce_scatter", gbytes * params, s, stride)
-                  + cluster.collective_s("all_gather", 2.0 * params, s, stride) * (3 if st.zero == 3 else 1))
-        # hybrid sharding: each rank's gradient shard all-reduced with its replicas in the other groups
-        return inside + (cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s) if n > s else 0.0)
+        return (cluster.collective_s("reduce_scatter", gbytes * params, s, stride)
+                + cluster.collective_s("all_gather", 2.0 * params, s, stride) * (3 if st.zero == 3 else 1)
+                + across(params, n, stride))
 
     dp_comm = sum(reduce(p, n, stride) for p, n, stride in groups if p > 0)
+    # on TPUs XLA all-reduces the shards across the groups (slices, over the data-center network) once
+    # the backward is done: exposed (MaxText's step grows with its slices as this does, data/runs.toml)
+    late = sum(across(p, n, stride) for p, n, stride in groups) if not cluster.rings and st.zero else 0.0
     # it hides behind the compute it overlaps: zero3's gathers and reductions run through the whole
     # step, a gradient reduction through the backward (with a pipeline, the last micro-batch's only,
     # where the stage's gradients become ready); what does not fit there is exposed
     window = (compute / m if st.pp > 1 else compute) * (
         1.0 if st.zero == 3 and st.pp == 1 else (0.75 if layer_rerun else 2 / 3))
     floor = DP_EXPOSED if st.dp_exposed is None else st.dp_exposed
-    dp_exposed = max(floor * dp_comm, dp_comm - window)
+    dp_exposed = max(floor * (dp_comm - late), dp_comm - late - window) + late
     tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else DP_EXPOSED)
     stalls = tp_share * tp_comm + ep_comm + cp_exposed  # the compute lane's own waits, inside its layers
     dp_formula = ""
     g = lambda x: f"{x:.4g}"  # noqa: E731
     if st.zero == 3 and st.pp == 1:  # per layer and micro-batch on the two-lane simulation
         costs = _layer_costs(model, cluster, st, compute / m, stalls / m, (fpt + extra + pad), dense_params,
-                             expert_params, gbytes, group, sdp, inner)
+                             expert_params, gbytes, group, sdp, inner, late > 0)
         _, waited, dp_comm = zero3_step(costs, m)
-        dp_exposed = max(waited, (st.dp_exposed or 0.0) * dp_comm)
+        dp_exposed = max(waited, (st.dp_exposed or 0.0) * dp_comm) + late
+        dp_comm += late
         dp_formula = (f"data parallel, per layer and micro-batch on the two-lane timeline (its weights gathered "
                       f"for the forward and again for the backward, one layer ahead; its gradients reduce-scattered "
                       f"after its backward): {costs.layers} layers x {m} micro-batches x (2 x {costs.gather_s * 1e3:.3g} "
                       f"+ {costs.reduce_s * 1e3:.3g}) ms against {costs.fwd_s * 1e3:.3g} ms forward and "
-                      f"{costs.bwd_s * 1e3:.3g} ms backward a layer = {g(dp_comm)} s on the link, "
-                      f"exposed (the compute lane's waits and the last reductions) {g(dp_exposed)} s")
+                      f"{costs.bwd_s * 1e3:.3g} ms backward a layer = {g(dp_comm - late)} s on the link, "
+                      + (f"then the shards all-reduced across the sharding groups after the backward {g(late)} s, "
+                         if late else "")
+                      + f"exposed (the compute lane's waits and the last reductions) {g(dp_exposed)} s")
 
     # optimizer: a fused AdamW over the fp32 master of the parameters held (costmodel/optimizer.py:
     # read master, gradient and two moments, write three: 28 bytes a parameter)
@@ -317,7 +329,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                            else f"{acc.eff_max}·x/(x+{acc.eff_x0}), x = d/tp = {h / st.tp:g}") + f" = {eff:.3f}",
         f"matmul = tokens·flops/token / (gpus·peak·eff) = {g(tokens)}·{g(fpt + extra)} / ({gpus}·{g(acc.peak_flops)}·"
         f"{eff:.3f}) = {g(matmul)} s",
-        f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
+        f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer"
+        + (f" (eager: its norms and rotary embedding unfused, +{EAGER_BYTES:g}·d a forward)"
+           if st.eager and not model.learned_positions else "")
+        + f" / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
         f"= {g(elementwise)} s; compute = {g(compute)} s",
         f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
@@ -325,7 +340,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
         + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")
-        + f") = {g(dp_comm)} s, exposed max({floor:.0%}, what outlasts the {g(window)} s it overlaps) = {g(dp_exposed)} s"),
+        + f") = {g(dp_comm)} s, exposed max({floor:.0%}, what outlasts the {g(window)} s it overlaps)"
+        + (f" + the all-reduce across the groups after the backward {g(late)} s" if late else "")
+        + f" = {g(dp_exposed)} s"),
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
@@ -348,10 +365,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
 
 def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: float, stall_s: float, flops: float,
-                 dense: float, expert: float, gbytes: float, group, sdp: int, inner: int) -> LayerCosts:
+                 dense: float, expert: float, gbytes: float, group, sdp: int, inner: int, late: bool) -> LayerCosts:
     """One micro-batch's pieces for timeline.zero3_step: its compute (``mb_s``; ``flops`` per token,
     recomputation included) split into the head's share and the layers', each layer's forward a third
-    of its own products; each layer's collectives over the groups that hold its parts."""
+    of its own products; each layer's collectives over the groups that hold its parts (``late``: but
+    the all-reduce across the sharding groups, which runs after the backward)."""
     L, h = model.layers, model.hidden
     head_flops = 6.0 * model.vocab * h
     head_s = mb_s * head_flops / flops
@@ -365,7 +383,8 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: flo
     def scatter(params, n, stride):
         s = group(n)
         rs = cluster.collective_s("reduce_scatter", gbytes * params, s, stride) if params else 0.0
-        return rs + (cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s) if n > s else 0.0)
+        return rs + (cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s)
+                     if n > s and not late else 0.0)
 
     ep_group = (sdp // st.ep, inner * st.ep)
     return LayerCosts(L, fwd, layer_s - fwd, head_s,

@@ -126,7 +126,7 @@ class ModelSpec:
         return (whole + split) / tp if sp else whole + split / tp
 
     def elementwise_bytes(self, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none",
-                          fused_attention: bool = True, capacity: float = 1.0) -> float:
+                          fused_attention: bool = True, capacity: float = 1.0, eager: bool = False) -> float:
         """HBM bytes one token moves through one layer's memory-bound (non-matmul) kernels on one
         tensor-parallel rank in a training step, counted from the kernels of an unfused 16-bit layer:
 
@@ -142,9 +142,11 @@ class ModelSpec:
           forward, selective recomputation one forward of the attention scores.
 
         A model of what eager Megatron-style kernels move, not a measurement; compilers that fuse
-        kernels move less (the accelerator's fitted ceiling absorbs some of that)."""
+        kernels move less (the accelerator's fitted ceiling absorbs some of that). ``eager``: a rotary
+        model's norms and rotary embedding as PyTorch's decomposed ops in fp32 (``EAGER_BYTES``)."""
         h = self.hidden
-        hidden = (2 * 4 + 2 * (7 if self.dropout else 6)) * h / (tp if sp else 1)
+        rotary = eager and not self.learned_positions
+        hidden = (2 * 4 + 2 * (7 if self.dropout else 6) + EAGER_BYTES * rotary) * h / (tp if sp else 1)
         act = ((6.0 if self.gated else 4.0) * self.ffn * self.top_k * capacity + 6.0 * self.shared_ffn) / tp
         scores = 0.0 if fused_attention else (13.0 if self.dropout else 8.0) * self.heads * seq / tp
         fwd_e, fwd_s = hidden + act, scores
@@ -155,6 +157,12 @@ class ModelSpec:
         moe = f", {self.experts} experts top-{self.top_k}" if self.experts > 1 else ""
         return (f"{self.name}: {self.params() / 1e9:.1f}B params ({self.layers} layers, d={self.hidden}, "
                 f"{self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, vocab {self.vocab}{moe})")
+
+
+EAGER_BYTES = 150.0
+"""Bytes per unit of width one token moves in one layer's forward beyond the fused count when a rotary
+model's two RMSNorms and its rotary embedding run as eager PyTorch's decomposed ops (fp32 upcasts, a
+kernel per op). Fitted on torchtitan's Llama 3.1 8B FSDP eager run on 8 H100s (data/runs.toml)."""
 
 
 MODELS = {
