@@ -153,6 +153,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
                      gather=gather)
     pl = prop.placements
     index_inputs: dict[tuple, fx.Node] = {}
+    device = next((p.meta["val"].device for p in phs if isinstance(p.meta.get("val"), torch.Tensor)), "cpu")
 
     def index_of(d_size: int, groups: int = 1) -> fx.Node:
         """The input holding this rank's indices into a dim of ``d_size`` cut in ``groups`` blocks
@@ -161,7 +162,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
             last = g.find_nodes(op="placeholder")[-1]
             with g.inserting_before(last.next):
                 ph = g.placeholder(f"tp_index_{d_size}" + (f"x{groups}" if groups > 1 else ""))
-            ph.meta["val"] = emit.fake([d_size // ranks], torch.long, _device(phs))
+            ph.meta["val"] = emit.fake([d_size // ranks], torch.long, device)
             index_inputs[(d_size, groups)] = ph
         return index_inputs[(d_size, groups)]
 
@@ -180,7 +181,9 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
             grad_sums.append(r.arg)
             continue
         phase = "fwd" if r.arg in fwd else "bwd"
-        reason = _reason(r, readers)
+        # what explain says of the collective: the move, the value and the ops that need it
+        ops = {"output" if u.op == "output" else str(u.target).removeprefix("aten.").split(".")[0] for u in readers}
+        reason = f"{r.src}->{r.dst} {r.arg.name} for {','.join(sorted(ops))}"
         if r.kind == "all_gather":
             # views of one value gathered alike (dy and dy^T for a product's two gradients): the value
             # is gathered once and each view taken again on the whole copy
@@ -204,7 +207,11 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
         for u in readers:
             u.replace_input_with(r.arg, new)
         pl[new] = r.dst
-    _sum_gradients(g, grad_sums, grad_of, ranks, group, pl, stage)
+    summed = emit.sum_after_last(g, grad_sums, ranks, group, axis="tp", params=[grad_of[x] for x in grad_sums],
+                                 stage=stage)
+    for x, y in zip(grad_sums, summed):
+        out_node.replace_input_with(x, y)
+        pl[y] = Replicate()
     tp_ops.rewrite(g, pl, fwd, ranks, group, stage, index_of)
     marks.remove(g)
     # local sizes where ops were traced with the whole ones
@@ -225,28 +232,9 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
     return local, prop
 
 
-def _reason(r, readers) -> str:
-    """What a reshard's collective says in ``explain``: the move, the value and the ops that need it."""
-    ops = sorted({"output" if u.op == "output" else str(u.target).removeprefix("aten.").split(".")[0] for u in readers})
-    return f"{r.src}->{r.dst} {r.arg.name} for {','.join(ops)}"
-
-
-def _sum_gradients(g, xs, grad_of, ranks, group, pl, stage=None):
-    """One all-reduce per dtype of the partial gradients ``xs``, after the last of them is made."""
-    out = g.find_nodes(op="output")[0]
-    summed = emit.sum_after_last(g, xs, ranks, group, axis="tp", params=[grad_of[x] for x in xs], stage=stage)
-    for x, y in zip(xs, summed):
-        out.replace_input_with(x, y)
-        pl[y] = Replicate()
-
-
 def _split_dim(n: fx.Node) -> int:
     d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
     return d % n.args[0].meta["val"].dim()
-
-
-def _device(phs):
-    return next((p.meta["val"].device for p in phs if isinstance(p.meta.get("val"), torch.Tensor)), "cpu")
 
 
 def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None, reason=""):
@@ -351,9 +339,8 @@ def _fused_blocks(mm: fx.Node) -> int:
         (u,) = n.users
         last = n.meta["val"].shape[-1]
         if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
-            d = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
             sizes = [v.shape[-1] for v in u.meta["val"]]
-            if d % n.meta["val"].dim() == n.meta["val"].dim() - 1 and len(sizes) > 1 and len(set(sizes)) == 1:
+            if _split_dim(u) == n.meta["val"].dim() - 1 and len(sizes) > 1 and len(set(sizes)) == 1:
                 return len(sizes)
             return 1
         if u.target in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
