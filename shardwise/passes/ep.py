@@ -481,6 +481,9 @@ def hf_forwards(model, ranks: int, rank: int, group, plan=None,
     (forwards by module, the expert parameters' local shapes, their expert counts)."""
     from torch.distributed import _functional_collectives as fc
 
+    # torch's differentiable all-gather and reduce-scatter (the ``_single_`` ones where it has them)
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    scatter = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
     forwards, shapes, counts = {}, {}, {}
     for prefix, m in hf_experts(model, plan):
         e = m.num_experts
@@ -494,17 +497,17 @@ def hf_forwards(model, ranks: int, rank: int, group, plan=None,
                 shapes[name], counts[name] = (el, *p.shape[1:]), e
 
         def forward(hidden, top_k_index, top_k_weights, _m=m, _el=el):
-            tokens = _gather_autograd(fc, hidden, 0, group)
+            tokens = gather(hidden, 0, group)
             # this rank's first expert is a buffer (an input), not a number: the graph is every rank's
             ids = getattr(fc, "all_gather_single", fc.all_gather_tensor)(top_k_index, 0, group) - _m.ep_first_expert
             mine = (ids >= 0) & (ids < _el)
-            gates = _gather_autograd(fc, top_k_weights, 0, group) * mine.to(top_k_weights.dtype)
+            gates = gather(top_k_weights, 0, group) * mine.to(top_k_weights.dtype)
             saved, _m.num_experts = _m.num_experts, _el
             try:
                 out = type(_m).forward(_m, tokens, ids.clamp(0, _el - 1), gates)
             finally:
                 _m.num_experts = saved
-            return _scatter_autograd(fc, out, "sum", 0, group)
+            return scatter(out, "sum", 0, group)
 
         def dispatched(hidden, top_k_index, top_k_weights, _m=m):
             return capacity_dispatch(_m, hidden, top_k_index, top_k_weights, capacity, ranks, group)
@@ -531,18 +534,6 @@ def dispatch_choice(trace, cost, room: int | None) -> tuple[tuple, dict]:
     tc, pc = cost.estimate(capacity[0].gm)
     return capacity, {**choice, "dispatch": "capacity", "factor": DEFAULT_CAPACITY, "capacity_s": tc,
                       "capacity_peak": pc}
-
-
-def _gather_autograd(fc, x, dim, group):
-    """torch's differentiable all-gather (``all_gather_single_autograd`` where it has it)."""
-    fn = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
-    return fn(x, dim, group)
-
-
-def _scatter_autograd(fc, x, op, dim, group):
-    """torch's differentiable reduce-scatter (``reduce_scatter_single_autograd`` where it has it)."""
-    fn = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
-    return fn(x, op, dim, group)
 
 
 def _staged(g: fx.Graph, start: fx.Node, stage: str | None) -> None:
