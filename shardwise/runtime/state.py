@@ -46,10 +46,7 @@ class ShardedState:
                  optimizer_factory: Callable, param_dtype: torch.dtype | None, offload: bool = False,
                  offload_chunk_bytes: int = 64 * 2**20, offload_overlap: bool = True, fused: bool | None = None,
                  tp: TensorParallel | None = None, reuse: ShardedState | None = None, keep_model: bool = False):
-        self.strategy = strategy
-        self.layouts = layouts
-        self.rank = rank
-        self.tp = tp
+        self.strategy, self.layouts, self.rank, self.tp = strategy, layouts, rank, tp
         params = dict(model.named_parameters())
         if tp is not None:  # this rank's tp shard of each split parameter, the others as they are
             params = {n: tp.local(n, p) for n, p in params.items()}
@@ -365,9 +362,7 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, ranks: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenation along dim 0 of ``x`` from every rank (functional collective, waited).
-
-    gloo ranks whose tensors are on a GPU gather through host copies."""
+    """Concatenation along dim 0 of ``x`` from every rank (functional collective, waited; through the host on gloo)."""
     c10d = torch.ops._c10d_functional
     x_in = x.cpu() if _host_staged(group, x) else x
     return c10d.wait_tensor(c10d.all_gather_into_tensor(x_in, ranks, group.group_name)).to(x.device)
