@@ -33,13 +33,6 @@ import torch.distributed
 from .ops import HostReadyWork, ReadyWork
 
 
-def _zero_init(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt`` is one whose lazily made state is zeros plus a CPU ``step`` scalar (Adam, AdamW
-    without ``capturable``/``fused``): then the state can be made up front and parameters sliced."""
-    return isinstance(opt, torch.optim.Adam) and not any(
-        g.get("capturable") or g.get("fused") or g.get("differentiable") for g in opt.param_groups)
-
-
 class StreamedOptimizer:
     """Runs ``optimizer.step()`` over host-resident parameters and state, a chunk at a time on ``device``.
 
@@ -62,7 +55,10 @@ class StreamedOptimizer:
                              f"previous one is updated), got {window}")
         self.chunk_bytes = chunk_bytes
         self.window = window
-        self.sliced = _zero_init(optimizer)
+        # Adam and AdamW without capturable/fused: the state they make lazily is zeros plus a CPU ``step``
+        # scalar, so it can be made up front and parameters sliced
+        self.sliced = isinstance(optimizer, torch.optim.Adam) and not any(
+            g.get("capturable") or g.get("fused") or g.get("differentiable") for g in optimizer.param_groups)
         if self.sliced:
             self._init_state()
         self.resident: frozenset[str] = frozenset()
@@ -459,7 +455,7 @@ class StreamedOptimizer:
         for n, a, b in chunk:
             c = self.compute.get(n)
             if c is not None:  # the compute-dtype shard the next step reads
-                (c.view(-1)[a:b] if self.sliced else c).copy_(self.params[n].data)
+                self._piece(c, a, b).copy_(self.params[n].data)
             self.params[n].grad = None
 
     def _piece(self, t: torch.Tensor, a: int, b: int) -> torch.Tensor:
