@@ -99,10 +99,7 @@ class Topology:
 
     @property
     def gpus(self) -> int:
-        n = 1
-        for size, _ in self.dims:
-            n *= size
-        return n
+        return int(np.prod([size for size, _ in self.dims]))
 
     def levels(self, group: int, inner: int = 1) -> list[tuple[int, Level]]:
         """How a group of ``group`` ranks spreads over the dimensions when its ranks are ``inner``
@@ -323,11 +320,8 @@ def _timed(fn, device: torch.device, iters: int) -> float:
 def calibrate(group: dist.ProcessGroup, device: torch.device, sizes: list[int], iters: int = 10,
               dtype: torch.dtype = torch.bfloat16, name: str = "measured") -> tuple[LinkProfile, dict]:
     """Measure every kind (and all-to-all) over ``sizes`` (full-tensor bytes) on ``group``; every rank
-    must call it.
-
-    Times are the maximum over ranks, so every rank gets the same profile (DESIGN.md invariant 2).
-    Returns the fitted profile and the raw samples.
-    """
+    must call it. Times are the maximum over ranks, so every rank gets the same profile (DESIGN.md
+    invariant 2). Returns the fitted profile and the raw samples."""
     n = dist.get_world_size(group)
     c10d = torch.ops._c10d_functional
     gname = group.group_name

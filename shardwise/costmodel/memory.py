@@ -84,18 +84,15 @@ class Liveness:
     """The storages live at the peak, largest first: (owning node, bytes)."""
 
 
-def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = None,
-             inplace: bool = True) -> Liveness:
+def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = None, inplace: bool = True) -> Liveness:
     """Simulate the live bytes of ``gm`` executed in node order (see the module docstring).
 
     ``fused`` models inductor's code instead of the FX executor's:
 
     - an elementwise node, or a composite inductor decomposes into elementwise code around small
       reductions (log-softmax, softmax, their gradients, nll_loss's gradient), is computed inside
-      its consumers' kernels (see ``_inlined``) unless it is a graph output or feeds a library
-      kernel (matrix product, attention, collective, a custom op) directly, through a view, or as
-      the bias of a product inductor turns into addmm; it then allocates nothing and keeps the
-      buffers it reads alive until its consumers run;
+      its consumers' kernels where ``_inlined`` says so (never where it feeds a library kernel); it
+      then allocates nothing and keeps the buffers it reads alive until its consumers run;
     - with ``inplace``, a stored elementwise result takes the buffer of an input of its size and
       dtype that dies in its kernel (the logits' buffer becomes their gradient's);
     - with ``cpu_code`` (default: the graph is on the CPU), a result with several consumers whose
@@ -195,5 +192,4 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
                       if b and pos[o] <= peak_i <= last[o] and reused.get(peak_i) is not o]
                      + [(f"{nodes[a].name} (scratch)", b) for a, e, b in scratch if a <= peak_i <= e],
                      key=lambda r: -r[1])
-    return Liveness(peak=peak, peak_at=peak_at, outputs=sum(size[o] for o in outputs), curve=curve,
-                    at_peak=at_peak)
+    return Liveness(peak=peak, peak_at=peak_at, outputs=sum(size[o] for o in outputs), curve=curve, at_peak=at_peak)

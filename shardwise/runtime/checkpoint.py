@@ -182,8 +182,7 @@ def _dtensor(job, name: str, t: torch.Tensor) -> DTensor:
     whole, dm = torch.Size(job.layouts[name].shape2), job.mesh.device_mesh
     place = [Replicate()] if job.strategy == "ddp" else [Shard(0)]
     return DTensor.from_local(_real(job, name, t), dm["dp"] if len(dm.mesh_dim_names) > 1 else dm, place,
-                              run_check=False, shape=whole,
-                              stride=torch.empty(whole, device="meta").stride())
+                              run_check=False, shape=whole, stride=torch.empty(whole, device="meta").stride())
 
 
 def _params(job) -> dict[str, torch.Tensor]:
