@@ -158,20 +158,8 @@ def carved_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sms: int)
         return torch.addmm(bias, a, b)
 
 
-@carved_mm.register_fake
-def _(a, b, sms):
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
-@carved_bmm.register_fake
-def _(a, b, sms):
-    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
-
-
-@carved_addmm.register_fake
-def _(bias, a, b, sms):
-    return a.new_empty((a.shape[0], b.shape[1]))
-
+for _op, _plain in ((carved_mm, torch.mm), (carved_bmm, torch.bmm), (carved_addmm, torch.addmm)):
+    _op.register_fake(lambda *args, _plain=_plain: _plain(*args[:-1]))  # the plain product's result, on fakes
 
 aten = torch.ops.aten
 CARVED = {aten.mm.default: torch.ops.shardwise.carved_mm.default,
