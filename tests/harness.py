@@ -635,6 +635,7 @@ def tp_run(name: str, strategy: str, dtype: str, steps: int, tp: int, micro: int
     info = {"tp": prog.counts("tp"), "dp": prog.counts("dp"),
             "phases": Counter((c.axis, c.kind, c.phase) for c in cs),
             "tp_all_reduced": sorted(p for c in cs if c.axis == "tp" and c.kind == "all_reduce" for p in c.params),
+            "tp_bytes": Counter((c.kind, c.phase, c.full_bytes) for c in cs if c.axis == "tp"),
             "gather": (job.tp.gather, job.tp.gather_choice), "fuse": job.tp.fuse_choice,
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "explain": job.explain()}

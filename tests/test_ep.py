@@ -116,13 +116,15 @@ def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_pat
 @pytest.mark.parametrize("strategy,split,sp", [("ddp", 1, False), ("zero3", 1, False), ("zero3", 2, False),
                                                ("zero3", 1, True)])
 def test_expert_and_tensor_parallelism_together(pools, strategy, split, sp):
-    """ep=2 x tp=2 (4 ranks): the attention cut over tp (Megatron's plan), the experts over ep, each tp
-    pair taking one batch (with ``split``, as two interleaved halves; with ``sp``, its tokens in
+    """ep=2 x tp=2 (4 ranks): the attention cut over tp (Megatron's plan), the experts over ep by
+    experts and over tp within each (w1, w3 by columns, w2 by rows: each rank holds 1/4 of them), each
+    tp pair taking one batch (with ``split``, as two interleaved halves; with ``sp``, its tokens in
     sequence shards between the tp products); fp64 parity with one device averaging the two batches.
-    The graph has the MoE layers' all-to-alls on ep (each half's) and the attention's all-reduces on tp
-    (under sp: its reduce-scatters, and the capacity dispatch's gathers of the sharded tokens, its
-    positions being a running sum over all of them; every op placed by a rule, none read whole
-    by ``allow_replicate``)."""
+    The graph has the MoE layers' all-to-alls on ep (each half's) and, per layer, an all-reduce on tp
+    after the attention's row product and one of the experts' outputs (under sp: a reduce-scatter
+    after the attention, and the capacity dispatch's gathers of the sharded tokens, its positions
+    being a running sum over all of them; every op placed by a rule, none read whole by
+    ``allow_replicate``)."""
     steps = 3
     ref, ref_sd = harness.reference("moe", "fp64", 2, steps, (("capacity_factor", 2.0),))
     kw = {"sequence_parallel": True} if sp else {"ep_split": split}
@@ -130,13 +132,15 @@ def test_expert_and_tensor_parallelism_together(pools, strategy, split, sp):
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-10, (losses, ref)
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
     assert counts[("ep", "all_to_all", "fwd")] == 4 * split and counts[("ep", "all_to_all", "bwd")] == 4 * split, counts
-    if sp:
-        assert counts[("tp", "reduce_scatter", "fwd")] == 2 and counts[("tp", "all_gather", "fwd")] >= 2 * 4, counts
+    if sp:  # the experts' all-reduces, and the dropped counts' (a sum over the token shards)
+        assert counts[("tp", "reduce_scatter", "fwd")] == 2 and counts[("tp", "all_reduce", "fwd")] == 4, counts
+        assert counts[("tp", "all_gather", "fwd")] >= 2 * 4, counts
     else:
-        assert counts[("tp", "all_reduce", "fwd")] > 0 and counts[("tp", "reduce_scatter", "fwd")] == 0, counts
-    rows = {ln.split()[0]: ln.split() for ln in explain.splitlines() if ln.startswith("  blocks.0.")}
-    assert "(2, 32, 32) " in explain and "tp R ep S(0)" in " ".join(rows["blocks.0.ffn.w1"]), rows
-    assert "tp S(0) ep R" in " ".join(rows["blocks.0.attn.wq.weight"]), rows
+        assert counts[("tp", "all_reduce", "fwd")] == 4 * split and counts[("tp", "reduce_scatter", "fwd")] == 0, counts
+    rows = {ln.split()[0]: " ".join(ln.split()) for ln in explain.splitlines() if ln.startswith("  blocks.0.")}
+    w1, w2 = rows["blocks.0.ffn.w1"], rows["blocks.0.ffn.w2"]
+    assert "(2, 32, 16)" in w1 and "tp S(2) ep S(0)" in w1 and "(2, 16, 32)" in w2 and "tp S(1) ep S(0)" in w2, rows
+    assert "tp S(0) ep R" in rows["blocks.0.attn.wq.weight"], rows
 
 
 @pytest.mark.parametrize("ws,tp", [(2, None), (4, 2)])

@@ -48,6 +48,22 @@ def test_sequence_parallel_parity_fp64(pools, name, strategy, ws, micro):
     assert info["tp"]["reduce_scatter"] > 0 and info["tp"]["all_gather"] > 0
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_experts_are_cut_within_each_expert(pools, sp):
+    """The capacity-dispatched MoE at dp=2 x tp=2 (zero2): Megatron's pairs found among the batched
+    expert products too (w1, w3 by columns, w2 by rows, every expert alike), so each tp rank runs each
+    expert's half, its output all-reduced once per layer (with sequence parallelism the dispatch
+    gathers the token shards first). Trains as one device does (fp64)."""
+    info = _check(pools, "moe", "zero2", 4, 2, over=(("capacity_factor", 2.0),), sequence_parallel=sp)
+    sh = info["shapes"]
+    assert sh["blocks.0.ffn.w1"] == sh["blocks.0.ffn.w3"] == (4, 32, 16) and sh["blocks.0.ffn.w2"] == (4, 16, 32)
+    assert sh["blocks.0.ffn.router.weight"] == (4, 32)  # the router stays whole
+    ffn = harness.make_model("moe", "fp64", capacity_factor=2.0).blocks[0].ffn
+    tokens = harness.make_batch("moe", 0, 0)[0].numel()
+    out = ffn.n_expert * ffn.capacity(tokens) * 32 * 8  # the experts' output, fp64
+    assert info["tp_bytes"][("all_reduce", "fwd", out)] == 2, info["tp_bytes"]
+
+
 def test_sequence_parallel_trades_each_all_reduce_for_a_gather_and_a_scatter(pools):
     """The graph change of sequence parallelism on Llama: the residual stream and its norms on
     sequence shards, so each layer's 2 forward all-reduces become an all-gather before each
