@@ -375,13 +375,17 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
         if n.op == "call_function" and any(a in activation for a in n.all_input_nodes):
             activation.add(n)
     linear = {}  # product node -> (weight name, the weight's dim that is the product's output dim)
+    in_dim = {}  # product node -> the weight's dim that the product contracts
     for n in g.nodes:
-        if n in fwd and n.target is aten.mm.default:
-            out_dim, w = 1, n.args[1]
-            while w.op == "call_function" and w.target in (aten.t.default, aten.transpose.int):
-                out_dim, w = 1 - out_dim, w.args[0]
-            if w in names and w.meta["val"].dim() == 2:
-                linear[n] = (names[w], out_dim)
+        if n in fwd and n.target in (aten.mm.default, aten.bmm.default):
+            # a matrix, or one per expert (a batched product of a 3-dim weight: its dims 1 and 2)
+            nd = 2 if n.target is aten.mm.default else 3
+            out_dim, w = nd - 1, n.args[1]
+            while w.op == "call_function" and w.target in (aten.t.default, aten.transpose.int) \
+                    and (w.target is aten.t.default or {d % nd for d in w.args[1:]} == {nd - 2, nd - 1}):
+                out_dim, w = 2 * nd - 3 - out_dim, w.args[0]
+            if w in names and w.meta["val"].dim() == nd:
+                linear[n], in_dim[n] = (names[w], out_dim), 2 * nd - 3 - out_dim
     stop = (aten.sum.dim_IntList, aten.mean.dim, aten.native_layer_norm.default, aten._log_softmax.default,
             aten._softmax.default, aten.embedding.default, aten.nll_loss_forward.default)
     region: dict[fx.Node, frozenset] = {}  # node -> the column-parallel products whose region holds it
@@ -411,7 +415,7 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
             plan[linear[c][0]] = Shard(linear[c][1], k)
             if c in bias:
                 plan[bias[c]] = Shard(0, k)  # its one dim is the product's output dim
-        plan[linear[row][0]] = Shard(1 - linear[row][1])
+        plan[linear[row][0]] = Shard(in_dim[row])
 
     for row, cols in rows.items():
         add(row, cols)

@@ -275,9 +275,10 @@ class TensorParallel:
     def axes(self) -> list[TensorParallel]:
         return [self]
 
-    def ranks_of(self, name: str) -> int:
-        """Ranks of the axis that cuts ``name`` (this one's)."""
-        return self.ranks
+    def dims(self, name: str) -> dict[int, TensorParallel]:
+        """The dim of parameter ``name`` this axis cuts, and the axis ({} where it is whole on it)."""
+        d = self.dim(name)
+        return {} if d is None else {d: self}
 
     def dim(self, name: str) -> int | None:
         return getattr(self.placements.get(name), "dim", None)
@@ -312,26 +313,32 @@ class TensorParallel:
 
 class ParallelAxes:
     """Several model-parallel axes (tp and ep) as one ``TensorParallel`` for the state: a parameter is
-    cut on one of them at most (an expert over ep, an attention weight over tp), and each question
-    about it goes to that axis."""
+    cut on any of them, each on a dim of its own (an expert over ep by experts and over tp within
+    each, an attention weight over tp alone)."""
 
     def __init__(self, axes: list[TensorParallel]):
         self.axes = axes
         for name in {n for a in axes for n in a.placements}:
-            cut = [a.label for a in axes if a.sharded(name)]
-            if len(cut) > 1:
-                raise ValueError(f"{name} is cut on the {' and '.join(cut)} axes at once: not built")
+            cut = [a for a in axes if a.sharded(name)]
+            if len({a.dim(name) for a in cut}) < len(cut):
+                raise ValueError(f"{name} is cut on dim {cut[0].dim(name)} by the "
+                                 f"{' and '.join(a.label for a in cut)} axes at once: not built")
 
-    def _of(self, name: str) -> TensorParallel:
-        return next((a for a in self.axes if a.sharded(name)), self.axes[0])
+    def dims(self, name: str) -> dict[int, TensorParallel]:
+        return {d: a for x in self.axes for d, a in x.dims(name).items()}
 
-    def __getattr__(self, attr: str):  # dim, local, piece, indices, gather: asked of the axis that cuts it
-        if attr not in ("dim", "local", "piece", "indices", "gather"):
-            raise AttributeError(attr)
-        return lambda name, *args: getattr(self._of(name), attr)(name, *args)
+    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        return p if not self.sharded(name) else nn.Parameter(self.piece(name, p.detach()), requires_grad=p.requires_grad)
 
-    def ranks_of(self, name: str) -> int:
-        return self._of(name).ranks
+    def piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        for a in self.axes:
+            whole = a.piece(name, whole)
+        return whole
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        for a in reversed(self.axes):
+            local = a.gather(name, local)
+        return local
 
     def sharded(self, name: str) -> bool:
         return any(a.sharded(name) for a in self.axes)
