@@ -358,10 +358,10 @@ class Compiler:
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
             if self.ep is not None and not traced_ep:  # experts split by the graph's rewrite (of the tp-local step)
-                # the other parameters cut over ep too (ZeRO over dp x ep) where no tp axis cuts them
+                # the other parameters (their tp shards) cut over ep too: ZeRO over dp x ep
                 cap, placements["ep"] = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,
-                                                          self.ep.plan, shard_shared=self.strategy != "ddp"
-                                                          and self.tp is None, split=self.ep.split)
+                                                          self.ep.plan, shard_shared=self.strategy != "ddp",
+                                                          split=self.ep.split)
             if self.ep is not None and self.ep.placements not in (None, placements["ep"]):
                 raise ValueError(f"the parameters split over ep in this batch's graph ({sorted(placements['ep'])}) "
                                  f"are not those of the first step's ({sorted(self.ep.placements)})")

@@ -394,11 +394,14 @@ def test_cuda_expert_parallel_gloo_ranks_sharing_the_gpu(pools, strategy, split)
 
 
 @needs_cuda
-def test_cuda_expert_and_tensor_parallel_gloo_ranks_sharing_the_gpu(pools):
-    """ep=2 x tp=2 on CUDA tensors, four gloo ranks on the one GPU, zero3: against single-device
+@pytest.mark.parametrize("sp", [False, True])
+def test_cuda_expert_and_tensor_parallel_gloo_ranks_sharing_the_gpu(pools, sp):
+    """ep=2 x tp=2 on CUDA tensors, four gloo ranks on the one GPU, zero3 (the experts cut over ep and
+    tp, the rest over tp and ep), with and without sequence parallelism: against single-device
     training of the two batches."""
     ref_losses, ref_sd = harness.reference("moe", "fp64", 2, 3, (("capacity_factor", 2.0),))
-    losses, sd, counts, _ = pools(4, "gloo").run(harness.ep_tp_run, "zero3", 3, device="cuda")[0]
+    losses, sd, counts, _ = pools(4, "gloo").run(harness.ep_tp_run, "zero3", 3, device="cuda",
+                                                 sequence_parallel=sp)[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
     assert counts[("ep", "all_to_all", "fwd")] == 4 and counts[("tp", "all_reduce", "fwd")] > 0, counts

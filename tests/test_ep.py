@@ -117,7 +117,8 @@ def test_an_expert_parallel_checkpoint_resumes_with_or_without_ep(pools, tmp_pat
                                                ("zero3", 1, True)])
 def test_expert_and_tensor_parallelism_together(pools, strategy, split, sp):
     """ep=2 x tp=2 (4 ranks): the attention cut over tp (Megatron's plan), the experts over ep by
-    experts and over tp within each (w1, w3 by columns, w2 by rows: each rank holds 1/4 of them), each
+    experts and over tp within each (w1, w3 by columns, w2 by rows: each rank holds 1/4 of them), under
+    zero3 the attention's tp shards and the other parameters cut over ep as well (ZeRO over ep), each
     tp pair taking one batch (with ``split``, as two interleaved halves; with ``sp``, its tokens in
     sequence shards between the tp products); fp64 parity with one device averaging the two batches.
     The graph has the MoE layers' all-to-alls on ep (each half's) and, per layer, an all-reduce on tp
@@ -140,7 +141,9 @@ def test_expert_and_tensor_parallelism_together(pools, strategy, split, sp):
     rows = {ln.split()[0]: " ".join(ln.split()) for ln in explain.splitlines() if ln.startswith("  blocks.0.")}
     w1, w2 = rows["blocks.0.ffn.w1"], rows["blocks.0.ffn.w2"]
     assert "(2, 32, 16)" in w1 and "tp S(2) ep S(0)" in w1 and "(2, 16, 32)" in w2 and "tp S(1) ep S(0)" in w2, rows
-    assert "tp S(0) ep R" in rows["blocks.0.attn.wq.weight"], rows
+    # under ZeRO the other parameters' tp shards are cut over ep too (ZeRO over dp x ep)
+    wq = rows["blocks.0.attn.wq.weight"]
+    assert ("(16, 32)" in wq and "tp S(0) ep R" in wq) if strategy == "ddp" else ("(8, 32)" in wq and "tp S(0) ep S(0)" in wq), rows
 
 
 @pytest.mark.parametrize("ws,tp", [(2, None), (4, 2)])

@@ -125,9 +125,7 @@ def _runs(glob: torch.Tensor) -> list[tuple[int, int, int]]:
 def _whole(job, name: str) -> tuple[int, ...]:
     """The whole shape of parameter ``name`` as a checkpoint stores it (a 0-dim one as ``(1,)``)."""
     shape, tp = list(job.layouts[name].shape2), job.state.tp
-    for d, axis in (tp.dims(name) if tp is not None else {}).items():
-        shape[d] *= axis.ranks
-    return tuple(shape)
+    return tuple(n * (tp.factor(name, d) if tp is not None else 1) for d, n in enumerate(shape))
 
 
 def _holdings(job, name: str, t: torch.Tensor) -> list[tuple[torch.Size, torch.Tensor]]:
@@ -136,9 +134,10 @@ def _holdings(job, name: str, t: torch.Tensor) -> list[tuple[torch.Size, torch.T
     shard's indices into the whole jump (between the q, k and v blocks of a fused weight)."""
     real, tp = _real(job, name, t), job.state.tp
     lo = 0 if job.strategy == "ddp" else job.mesh.rank("dp") * job.layouts[name].rows
-    cut, whole = tp.dims(name) if tp is not None else {}, _whole(job, name)
+    whole = _whole(job, name)
+    at = tp.along(name, whole) if tp is not None else [None] * len(whole)
     pos = [torch.arange(n) + (lo if i == 0 else 0) for i, n in enumerate(real.shape)]  # in the tp shard
-    runs = [_runs(cut[i].indices(name, whole[i])[p] if i in cut else p) for i, p in enumerate(pos)]
+    runs = [_runs(at[i][p] if at[i] is not None else p) for i, p in enumerate(pos)]
     out = []
     for combo in itertools.product(*runs):
         view = real

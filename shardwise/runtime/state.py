@@ -275,10 +275,13 @@ class TensorParallel:
     def axes(self) -> list[TensorParallel]:
         return [self]
 
-    def dims(self, name: str) -> dict[int, TensorParallel]:
-        """The dim of parameter ``name`` this axis cuts, and the axis ({} where it is whole on it)."""
-        d = self.dim(name)
-        return {} if d is None else {d: self}
+    def factor(self, name: str, d: int) -> int:
+        return self.ranks if self.dim(name) == d else 1
+
+    def along(self, name: str, whole: tuple) -> list[torch.Tensor | None]:
+        """Per dim of parameter ``name`` (``whole`` its whole shape), where this rank's entries lie in
+        the whole tensor (None: all of that dim)."""
+        return ParallelAxes([self]).along(name, whole)
 
     def dim(self, name: str) -> int | None:
         return getattr(self.placements.get(name), "dim", None)
@@ -313,19 +316,24 @@ class TensorParallel:
 
 class ParallelAxes:
     """Several model-parallel axes (tp and ep) as one ``TensorParallel`` for the state: a parameter is
-    cut on any of them, each on a dim of its own (an expert over ep by experts and over tp within
-    each, an attention weight over tp alone)."""
+    cut on any of them, in their order (an expert over ep by experts and over tp within each, an
+    attention weight over tp and, under ZeRO, its tp shard's rows over ep)."""
 
     def __init__(self, axes: list[TensorParallel]):
         self.axes = axes
-        for name in {n for a in axes for n in a.placements}:
-            cut = [a for a in axes if a.sharded(name)]
-            if len({a.dim(name) for a in cut}) < len(cut):
-                raise ValueError(f"{name} is cut on dim {cut[0].dim(name)} by the "
-                                 f"{' and '.join(a.label for a in cut)} axes at once: not built")
 
-    def dims(self, name: str) -> dict[int, TensorParallel]:
-        return {d: a for x in self.axes for d, a in x.dims(name).items()}
+    def along(self, name: str, whole: tuple) -> list[torch.Tensor | None]:
+        at, sizes = [None] * len(whole), list(whole)
+        for a in self.axes:
+            d = a.dim(name)
+            if d is not None:
+                sub = a.placements[name].indices(sizes[d], a.rank, a.ranks)
+                at[d], sizes[d] = (sub if at[d] is None else at[d][sub]), sizes[d] // a.ranks
+        return at
+
+    def factor(self, name: str, d: int) -> int:
+        """How many pieces the axes cut dim ``d`` of parameter ``name`` in."""
+        return math.prod(a.ranks for a in self.axes if a.dim(name) == d)
 
     def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return p if not self.sharded(name) else nn.Parameter(self.piece(name, p.detach()), requires_grad=p.requires_grad)
