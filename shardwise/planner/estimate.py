@@ -287,7 +287,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     g = lambda x: f"{x:.4g}"  # noqa: E731
     if st.zero == 3 and st.pp == 1:  # per layer and micro-batch on the two-lane simulation
         costs = _layer_costs(model, cluster, st, compute / m, stalls / m, (fpt + extra + pad), dense_params,
-                             expert_params, gbytes, group, sdp, inner, late > 0)
+                             expert_params, gbytes, group, sdp, inner, None if late else across)
         _, waited, dp_comm = zero3_step(costs, m)
         dp_exposed = max(waited, (st.dp_exposed or 0.0) * dp_comm) + late
         dp_comm += late
@@ -365,11 +365,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
 
 def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: float, stall_s: float, flops: float,
-                 dense: float, expert: float, gbytes: float, group, sdp: int, inner: int, late: bool) -> LayerCosts:
+                 dense: float, expert: float, gbytes: float, group, sdp: int, inner: int, across) -> LayerCosts:
     """One micro-batch's pieces for timeline.zero3_step: its compute (``mb_s``; ``flops`` per token,
     recomputation included) split into the head's share and the layers', each layer's forward a third
-    of its own products; each layer's collectives over the groups that hold its parts (``late``: but
-    the all-reduce across the sharding groups, which runs after the backward)."""
+    of its own products; each layer's collectives over the groups that hold its parts, with the
+    all-reduce across the sharding groups (``across``; None where it runs after the backward)."""
     L, h = model.layers, model.hidden
     head_flops = 6.0 * model.vocab * h
     head_s = mb_s * head_flops / flops
@@ -383,8 +383,7 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: flo
     def scatter(params, n, stride):
         s = group(n)
         rs = cluster.collective_s("reduce_scatter", gbytes * params, s, stride) if params else 0.0
-        return rs + (cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s)
-                     if n > s and not late else 0.0)
+        return rs + (across(params, n, stride) if across is not None else 0.0)
 
     ep_group = (sdp // st.ep, inner * st.ep)
     return LayerCosts(L, fwd, layer_s - fwd, head_s,

@@ -297,11 +297,6 @@ class TensorParallel:
         d = self.dim(name)
         return whole.clone() if d is None else self.placements[name].local(whole, self.rank, self.ranks).contiguous()
 
-    def indices(self, name: str, size: int) -> torch.Tensor | None:
-        """Where along its sharded dim (of ``size`` entries) this rank's shard of ``name`` lies, or None."""
-        d = self.dim(name)
-        return None if d is None else self.placements[name].indices(size, self.rank, self.ranks)
-
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         d = self.dim(name)
         if d is None:
