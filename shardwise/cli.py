@@ -395,6 +395,11 @@ def _plan_parser(sub) -> None:
     p.add_argument("--unfused-attention", action="store_true", help="no flash kernel: the scores kept for the backward")
     p.add_argument("--eager", action="store_true",
                    help="the stack runs PyTorch eagerly: a rotary model's norms and rotary embedding unfused")
+    p.add_argument("--stack", choices=["megatron", "torch", "torch-autocast"], default="megatron",
+                   help="memory layout: Megatron's (16-bit weights and gradient buffers, fp32 master; default), "
+                        "PyTorch's (FSDP2, DDP, shardwise: fp32 weights, gradients freed between steps), or "
+                        "PyTorch's under torch.autocast")
+    p.add_argument("--foreach", action="store_true", help="torch's multi-tensor AdamW: an fp32 temporary at its step")
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
     p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
                    help="share of tp communication exposed (0: overlapped; default: all on GPUs, the dp share on TPUs)")
@@ -456,7 +461,8 @@ def plan_main(args) -> None:
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
                       capacity=args.capacity, fused_attention=not args.unfused_attention,
                       tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed, rank_order=args.rank_order,
-                      reduce_fp32=args.reduce_fp32, cp=args.cp, eager=args.eager)
+                      reduce_fp32=args.reduce_fp32, cp=args.cp, eager=args.eager,
+                      stack=args.stack, foreach=args.foreach)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:

@@ -265,14 +265,48 @@ def test_activation_memory_is_korthikantis_table_2_term_by_term():
     assert llama.layer_activation_bytes(s, b) == pytest.approx(s * b * (12 * 4096 + 4 * 1024 + 6 * 14336))
 
 
-def test_predicted_peak_memory_holds_our_measured_run():
-    # bench/results/2026-11-30-plan-validation.md: blind, within 10% (was +69% with the scores counted)
+def test_predicted_peak_memory_holds_our_measured_runs():
+    # the issue's goal for our own runs: peak within 5% (bench/results/2026-12-04-plan-memory-peaks.md);
+    # FSDP2 compiled and eager, DDP, shardwise, checkpointed or not, dense and MoE, on one and two H200s
     from shardwise.planner.validation import memory_table
 
-    rows = [r for r in memory_table() if r["source"] in ("ours_h200_mem", "ours_8b")]
-    assert len(rows) == 3
+    rows = [r for r in memory_table() if r["source"].startswith("ours")]
+    assert len(rows) == 14
     for r in rows:
-        assert abs(r["error"]) <= 0.10, r
+        assert abs(r["error"]) <= 0.05, r
+
+
+def test_a_pytorch_stack_peaks_at_the_largest_of_three_moments():
+    """PyTorch's layout (fp32 weights, gradients freed between steps): the forward's end holds no
+    gradients; a checkpointed step with the multi-tensor AdamW peaks at its update."""
+    m, c = MODELS["llama3-8b"], cluster("h200-nv18-x2:1")
+    base = dict(zero=3, micro_batch=2, global_batch=4, seq=4096, recompute="none")
+    mega, fsdp = (estimate(m, c, Strategy(**base, stack=k)) for k in ("megatron", "torch"))
+    n = m.params() / 2  # ZeRO-3 over two GPUs
+    assert mega.memory["total"] == pytest.approx(16 * n + mega.memory["activations"])
+    # fp32 weights and moments, 16-bit copies of the root and two layers, activations: no gradients
+    copies = 2 * (m.embedding_params() + m.head_params() + 2 * m.layer_params())
+    assert fsdp.memory["total"] == pytest.approx(12 * n + copies + fsdp.memory["activations"])
+    # torch.compile keeps 14·d where Korthikanti counts 8·d + 4·kv; eager 25.5·d and three fp32 logits
+    tokens = 2 * 4096
+    assert (fsdp.memory["activations"] - mega.memory["activations"]) / (tokens * m.layers) == pytest.approx(
+        6 * 4096 - 4 * 1024)
+    eager = estimate(m, c, Strategy(**base, stack="torch", eager=True))
+    assert eager.memory["activations"] - fsdp.memory["activations"] == pytest.approx(
+        11.5 * 4096 * tokens * m.layers + 8 * tokens * m.vocab)
+    # checkpointed: the activations are small, so the update's fp32 temporary (foreach) sets the peak
+    block = dict(base, recompute="block", stack="torch")
+    foreach, fused = (estimate(m, c, Strategy(**block, foreach=f)) for f in (True, False))
+    assert foreach.memory["total"] == pytest.approx(12 * n + 4 * n + 4 * n)
+    assert fused.memory["total"] < foreach.memory["total"]
+    assert "at the optimizer step" in foreach.formulas[-1] and "at the backward's end" in fused.formulas[-1]
+    # autocast keeps a checkpointed layer's input in fp32; DDP keeps its gradient buckets across steps
+    amp = estimate(m, c, Strategy(**dict(block, stack="torch-autocast"), foreach=True))
+    assert m.layer_activation_bytes(4096, 2, recompute="block", stack="torch-autocast") == 4 * tokens * 4096
+    ddp = estimate(MODELS["llama3-8b"], cluster("dgx-h100:1"), Strategy(zero=0, stack="torch-autocast"))
+    assert "DDP's gradient buckets" in ddp.formulas[-1] and "DDP" not in amp.formulas[-1]
+    with pytest.raises(ValueError, match="stack must be one of"):
+        Strategy(stack="jax")
 
 
 def test_cli_plan_validate(capsys):
@@ -608,6 +642,9 @@ def test_cli_plan_switches_for_attention_dropout_and_overlap(capsys):
     assert run("--dropout", "on")["memory"]["activations"] > base["memory"]["activations"]
     hidden = run("--tp-exposed", "0")
     assert hidden["tp_exposed_s"] == 0 < base["tp_exposed_s"] and hidden["step_s"] < base["step_s"]
+    torch = run("--stack", "torch")  # memory only: fp32 weights, no gradients held at the forward's end
+    assert torch["memory"]["weights"] > base["memory"]["weights"] and torch["step_s"] == base["step_s"]
+    assert run("--stack", "torch", "--foreach")["memory"]["total"] >= torch["memory"]["total"]
     with pytest.raises(SystemExit, match="--dp-exposed is a share of the communication, 0 to 1"):
         run("--dp-exposed", "1.5")
 

@@ -54,7 +54,7 @@ class ClusterSpec:
 
     def __str__(self) -> str:
         shape = " x ".join(str(n) for n, _ in self.dims)
-        links = ", ".join(str(lvl) for lvl in dict.fromkeys(lvl for _, lvl in self.dims))
+        links = ", ".join(dict.fromkeys(str(lvl) for _, lvl in self.dims))  # a calibrated level is unhashable
         return f"{self.name}: {shape} {self.accel.label} ({self.gpus} chips), {links}"
 
 

@@ -28,7 +28,12 @@ per Korthikanti et al. 2022, term by term (models.ModelSpec.layer_activation_byt
 ``s·b·h·(34 + 5·a·s/h)`` for Megatron's GPT with the attention scores kept, 34·s·b·h without them,
 2·s·b·h under full and block recomputation; divided by ``tp`` with sequence parallelism), times the
 micro-batches in flight on the first stage (1F1B: ``pp``), plus the fp32 logits of the loss
-(4·s·b·v/t) where one stage holds the whole model.
+(4·s·b·v/t) where one stage holds the whole model. That is Megatron's layout, every part held at once.
+PyTorch's (``Strategy.stack``: FSDP2, DDP, shardwise) holds fp32 weights, gradients and moments
+(4 + 4 + 8 bytes), makes 16-bit copies of the weights for compute and frees the gradients after each
+step, so its peak is the largest of three moments: the forward's end (copies and activations, counted
+as measured of torch.compile, eager PyTorch and autocast: models.TORCH_ACTIVATIONS), the backward's
+end (copies and gradients) and the optimizer step (gradients and the multi-tensor AdamW's temporary).
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ from dataclasses import asdict, dataclass, field
 
 from ..costmodel.optimizer import update_time
 from .clusters import ClusterSpec
-from .models import EAGER_BYTES, ModelSpec
+from .models import EAGER_BYTES, TORCH_ACTIVATIONS, ModelSpec
 from .timeline import LayerCosts, zero3_step
 
 
 RECOMPUTE = ("none", "selective", "selective-op", "block", "full")
 RANK_ORDERS = ("tp-pp-dp", "tp-ep-dp-pp")
+STACKS = ("megatron", "torch", "torch-autocast")
 DP_EXPOSED = 0.1
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 
@@ -107,8 +113,20 @@ class Strategy:
     rank_order: str = "tp-pp-dp"
     """Rank numbering, innermost first: Megatron-LM's ``tp-pp-dp`` (an ep group ``tp·pp`` ranks apart)
     or Megatron-Core's ``tp-ep-dp-pp`` (ep next to tp, pipeline outermost)."""
+    stack: str = "megatron"
+    """Whose memory layout: ``megatron`` (16-bit weights and gradient buffers kept across steps, fp32
+    master and moments: all of it held at once); ``torch`` (FSDP2, DDP, shardwise: fp32 weights,
+    gradients and moments; 16-bit copies of the weights for compute; gradients freed after each step,
+    so the forward holds none, and the peak is the larger of the forward's end, the backward's end
+    and the optimizer step); ``torch-autocast`` (the same with torch.autocast over fp32 weights: the
+    copies of every weight kept from forward to backward, an fp32 residual stream). Memory only."""
+    foreach: bool = False
+    """PyTorch's default multi-tensor AdamW: its step makes an fp32 temporary the size of the state it
+    updates (the square root of the second moment); the fused kernel makes none. Memory only."""
 
     def __post_init__(self):
+        if self.stack not in STACKS:
+            raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         if self.rank_order not in RANK_ORDERS:
             raise ValueError(f"rank_order must be one of {', '.join(RANK_ORDERS)}, got {self.rank_order!r}")
         if self.recompute not in RECOMPUTE:
@@ -309,17 +327,41 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     step = compute + stalls + bubble + dp_exposed + optimizer
 
     # memory per GPU
-    weights = 2.0 * (dense_params / z(3, sdp) + expert_params / z(3, sdp // st.ep))
-    grads = gbytes * (dense_params / z(2, sdp) + expert_params / z(2, sdp // st.ep))
-    optim = 12.0 * opt_params
-    per_layer_act = model.layer_activation_bytes(lseq, b, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity)
+    per_layer_act = model.layer_activation_bytes(lseq, b, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity,
+                                                 st.stack, st.eager)
     in_flight = min(st.pp, m) if st.pp > 1 else 1
     activations = per_layer_act * layers_here * in_flight
     if layer_rerun:  # one layer's working set is rebuilt at a time
-        activations += model.layer_activation_bytes(lseq, b, st.tp, st.sp, "none", st.fused_attention, st.capacity)
-    logits = 4.0 * lseq * b * model.vocab / st.tp if st.pp == 1 else 0.0
+        activations += model.layer_activation_bytes(lseq, b, st.tp, st.sp, "none", st.fused_attention, st.capacity,
+                                                    st.stack, st.eager)
+    # the loss's fp32 logits; eager PyTorch holds three at once in the loss's backward (the upcast's
+    # log-softmax output, its gradient and the gradient of its input)
+    logit_bytes = 12.0 if st.eager and st.stack != "megatron" else 4.0
+    logits = logit_bytes * lseq * b * model.vocab / st.tp if st.pp == 1 else 0.0
     activations += logits
-    total = weights + grads + optim + activations
+    held = lambda stage: dense_params / z(stage, sdp) + expert_params / z(stage, sdp // st.ep)  # noqa: E731
+    if st.stack == "megatron":  # every part held all through the step
+        weights, grads, optim = 2.0 * held(3), gbytes * held(2), 12.0 * opt_params
+        total = weights + grads + optim + activations
+        peak, copies, buckets, phases = "", 0.0, 0.0, {}
+    else:
+        # the fp32 weights are the optimizer's own (sharded with its state: FSDP2, shardwise)
+        weights, grads, optim = 4.0 * opt_params, 4.0 * held(2), 8.0 * opt_params
+        # 16-bit copies for compute: all of them unless ZeRO-3; under ZeRO-3 the root's (embedding and
+        # head, gathered to the backward, as FSDP2 holds its root's) and two layers' (one prefetched),
+        # then in the backward a layer's whole gradient in 16 bits and in fp32 for its reduction
+        experts = expert / model.layers
+        layer = (model.layer_params() - experts) / st.tp + experts / (st.tp * st.ep)
+        root = (model.embedding_params() + model.head_params()) / st.tp
+        whole = dense_params + expert_params
+        copies = 2.0 * (whole if st.zero < 3 else root + 2 * layer)
+        buckets = 4.0 * whole if st.zero == 0 and sdp > 1 else 0.0  # DDP's gradient buckets, kept across steps
+        phases = {"the forward's end": copies + activations,
+                  "the backward's end": copies + grads + (6.0 * layer if st.zero == 3 else 0.0),
+                  "the optimizer step": grads + (4.0 * opt_params if st.foreach else 0.0)}
+        peak = max(phases, key=phases.get)
+        total = weights + optim + buckets + phases[peak]
+        weights += copies
     mem = {"weights": weights, "grads": grads, "optimizer": optim, "activations": activations, "total": total}
 
     tps = tokens / step
@@ -346,9 +388,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
-        + (f" + logits 4·s·b·v/tp = {g(logits)} B" if logits else ""),
-        f"memory = 2·N' weights + {gbytes:g}·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) + activations "
-        f"= {g(total)} B",
+        + (f" + logits {logit_bytes:g}·s·b·v/tp = {g(logits)} B" if logits else ""),
+        (f"memory = 2·N' weights + {gbytes:g}·N' grads + 12·N' optimizer (N' = {g(shard_params)}, ZeRO-{st.zero}) "
+         f"+ activations = {g(total)} B" if not peak else
+         f"memory = fp32 weights {g(weights - copies)} + moments {g(optim)} (ZeRO-{st.zero})"
+         + (f" + DDP's gradient buckets {g(buckets)}" if buckets else "") + f" + at {peak} {g(phases[peak])}, the "
+         "largest of " + "; ".join(f"{k} {g(v)}" for k, v in phases.items()) + " (16-bit weight copies + activations; "
+         "copies + gradients" + (" + a layer's gradient in 16 and 32 bits" if st.zero == 3 else "") + "; gradients"
+         + (" + the foreach temporary" if st.foreach else "") + f") = {g(total)} B"),
     ]
     if st.cp > 1:
         formulas.insert(4, f"context parallel = {4 if layer_rerun else 3} collectives of the keys and values x "
@@ -394,14 +441,15 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: flo
 
 def _activation_formula(model: ModelSpec, st: Strategy) -> str:
     """``ModelSpec.layer_activation_bytes`` as a formula, for ``--explain``."""
-    if st.recompute == "full" or (st.recompute == "block" and st.sp):
+    torch = st.stack != "megatron"
+    if st.recompute == "full":
         return "2·s·b·d/tp"
     if st.recompute == "block":
-        return "2·s·b·d"
+        return ("4" if st.stack == "torch-autocast" else "2") + "·s·b·d" + ("/tp" if st.sp else "")
     if st.recompute == "selective-op":
         whole, split = "4·s·b·d", "2·s·b·(2·q + kv + ffn)"
     else:
-        whole = ("10" if model.dropout else "8") + "·s·b·d"
-        split = ("4·s·b·q + 4·s·b·kv + " + ("6" if model.gated else "4") + "·s·b·ffn"
+        whole = f"{(TORCH_ACTIVATIONS[st.eager, st.stack == 'torch-autocast'] if torch else 8) + 2 * model.dropout:g}·s·b·d"
+        split = ("4·s·b·q + " + ("" if torch else "4·s·b·kv + ") + ("6" if model.gated else "4") + "·s·b·ffn"
                  + (" + 5·a·s²·b" if st.recompute == "none" and not st.fused_attention else ""))
     return f"({whole} + {split})/tp" if st.sp else f"{whole} + ({split})/tp"

@@ -89,7 +89,8 @@ class ModelSpec:
         return flops_per_token(matmul, self.layers, self.q_dim, min(seq, self.window) if self.window else seq)
 
     def layer_activation_bytes(self, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
-                               recompute: str = "none", fused_attention: bool = True, capacity: float = 1.0) -> float:
+                               recompute: str = "none", fused_attention: bool = True, capacity: float = 1.0,
+                               stack: str = "megatron", eager: bool = False) -> float:
         """Bytes one layer keeps for its backward per micro-batch (16-bit activations, 1-byte dropout
         masks): Korthikanti et al. 2022's accounting (section 4, Table 2), term by term, so that it
         also holds for gated MLPs, grouped-query attention and models without dropout. Kept whole on
@@ -103,13 +104,16 @@ class ModelSpec:
         the layer's input alone (2·sbh/t), and so does per-layer ``block`` checkpointing (whole on
         every rank without sequence parallelism); per-op selective recomputation (``selective-op``)
         the layer's input, every other matrix product's output and the attention output. ``capacity``
-        scales an MoE layer's expert activations (capacity dispatch pads each expert's buffer)."""
+        scales an MoE layer's expert activations (capacity dispatch pads each expert's buffer). A PyTorch
+        ``stack`` keeps what was measured of it (``TORCH_ACTIVATIONS``) in place of the hidden-sized
+        terms and K and V; under autocast its residual stream, so a checkpointed layer's input, is fp32."""
         sb = seq * micro_batch
         sbh = sb * self.hidden
+        torch, autocast = stack != "megatron", stack == "torch-autocast"
         if recompute == "full":
             return 2.0 * sbh / tp
         if recompute == "block":  # torch's checkpoint keeps the layer input whole unless sequence parallel
-            return 2.0 * sbh / (tp if sp else 1)
+            return (4.0 if autocast else 2.0) * sbh / (tp if sp else 1)
         kv = self.kv_heads * self.head_dim
         if recompute == "selective-op":
             # the layer's input and the outputs it keeps: every other matrix product (Q, V, the MLP's
@@ -117,8 +121,8 @@ class ModelSpec:
             whole = 4.0 * sbh
             split = 2.0 * sb * (2 * self.q_dim + kv + self.ffn * self.top_k * capacity)
         else:
-            whole = 8.0 * sbh + (2.0 * sbh if self.dropout else 0.0)
-            split = (4.0 * sb * self.q_dim + 4.0 * sb * kv
+            whole = ((TORCH_ACTIVATIONS[eager, autocast] if torch else 8.0) + 2.0 * self.dropout) * sbh
+            split = (4.0 * sb * self.q_dim + (0.0 if torch else 4.0 * sb * kv)
                      + (6.0 if self.gated else 4.0) * sb * self.ffn * self.top_k * capacity
                      + 6.0 * sb * self.shared_ffn)
             if recompute == "none" and not fused_attention:
@@ -163,6 +167,15 @@ EAGER_BYTES = 150.0
 """Bytes per unit of width one token moves in one layer's forward beyond the fused count when a rotary
 model's two RMSNorms and its rotary embedding run as eager PyTorch's decomposed ops (fp32 upcasts, a
 kernel per op). Fitted on torchtitan's Llama 3.1 8B FSDP eager run on 8 H100s (data/runs.toml)."""
+
+
+TORCH_ACTIVATIONS = {(False, False): 14.0, (True, False): 25.5, (False, True): 18.0, (True, True): 39.5}
+"""Bytes per unit of width one token keeps in one layer for its backward under PyTorch, beside its
+queries (4·q) and MLP (6·ffn), keyed (eager, autocast); measured on one H200 with Llama layers of width
+2048 and 4096 (bench/results/2026-12-04-h200-activation-memory.md): torch.compile in bf16 keeps 14
+where Korthikanti counts 8 (+ 4·kv), eager PyTorch 25.5 (its decomposed norms' and rotary embedding's
+fp32 intermediates); autocast over fp32 weights 18 and 39.5 (an fp32 residual stream; its 16-bit
+copies of the weights are counted as weights)."""
 
 
 MODELS = {
