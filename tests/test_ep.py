@@ -125,11 +125,12 @@ def test_expert_and_tensor_parallelism_together(pools, strategy, split, sp):
     after the attention's row product and one of the experts' outputs (under sp: a reduce-scatter
     after the attention, and the capacity dispatch's gathers of the sharded tokens, its positions
     being a running sum over all of them; every op placed by a rule, none read whole by
-    ``allow_replicate``)."""
+    ``allow_replicate``; its activations kept in host memory between forward and backward)."""
     steps = 3
     ref, ref_sd = harness.reference("moe", "fp64", 2, steps, (("capacity_factor", 2.0),))
-    kw = {"sequence_parallel": True} if sp else {"ep_split": split}
+    kw = {"sequence_parallel": True, "offload_activations": True} if sp else {"ep_split": split}
     losses, sd, counts, explain = pools(4).run(harness.ep_tp_run, strategy, steps, **kw)[0]
+    assert sp == ("activations kept in host memory" in explain), explain
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-10, (losses, ref)
     assert harness.rel_param_err(sd, ref_sd) <= 1e-10
     assert counts[("ep", "all_to_all", "fwd")] == 4 * split and counts[("ep", "all_to_all", "bwd")] == 4 * split, counts
