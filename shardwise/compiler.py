@@ -1,11 +1,10 @@
 """The compile driver: capture → passes → hash → agree → executable, one program per batch signature and mode.
 
-For a batch it has not seen (its structure, constants, shapes and dtypes) and a mode (``eval``, or
-one of passes.MODES), the compiler traces the single-device step (capture/), rewrites it for the
-strategy under the memory plan's share of the budget (passes/pipeline.py), hashes the captured graph
-and the final plan and has every rank agree on both (DESIGN.md invariant 2), then builds what runs
-it (runtime/executor.py). A compile error on one rank is told to the others before it is raised, so
-none waits in a collective for it.
+For a batch it has not seen (its structure, constants, shapes and dtypes) and a mode (``eval``, or one of passes.MODES),
+the compiler traces the single-device step (capture/), rewrites it for the strategy under the memory plan's share of the
+budget (passes/pipeline.py), hashes the captured graph and the final plan and has every rank agree on both (DESIGN.md
+invariant 2), then builds what runs it (runtime/executor.py). A compile error on one rank is told to the others before
+it is raised, so none waits in a collective for it.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ from .sharding import annotate
 
 
 def rank_free(code: str, groups: dict[str, str] | None = None) -> str:
-    """Graph code without device indices (rank r runs the same plan on ``cuda:r``) and with each
-    process group named by its mesh axis (``groups``: group name -> axis): the ranks of other dp or
-    tp lines run the same plan over their own groups."""
+    """Graph code without device indices (rank r runs the same plan on ``cuda:r``) and with each process group named
+    by its mesh axis (``groups``: group name -> axis): other dp or tp lines run the same plan over their own groups."""
     code = re.sub(r"device\(type='(\w+)', index=\d+\)", r"device(type='\1')", code)
     for name, axis in (groups or {}).items():
         code = code.replace(repr(name), f"<{axis}>")
@@ -57,10 +55,9 @@ def pass_context(config: JobConfig, model, dp: int, group: str, backend: str, de
         recompute=mem.recompute, offload_activations=mem.offload_activations,
         sm_carveout=carveout_settings(config.matmul_sm_carveout, device, backend, sch.schedule))
     if off.offload_optimizer and mp.param_dtype is not None:
-        # the graph reads the device shards in the compute dtype; the fp32 masters are on the host.
-        # At one rank nothing is reduced: the gradients stay in the compute dtype and are cast
-        # chunk by chunk in the streamed update (the same values; half the device bytes). Not
-        # under clipping, whose norm is taken over the master-dtype gradients.
+        # the graph reads the device shards in the compute dtype; the fp32 masters are on the host. At one rank nothing
+        # is reduced: the gradients stay in the compute dtype and are cast chunk by chunk in the streamed update (the
+        # same values; half the device bytes). Not under clipping, whose norm is taken over the master-dtype gradients.
         ctx = dataclasses.replace(ctx, master_dtype=mp.param_dtype,
                                   compute_dtype_grads=dp == 1 and upd.clip_grad_norm is None)
     named = dict(model.named_parameters())
@@ -245,8 +242,7 @@ class Compiler:
         return any(a is not None and a.placements is None for a in (self.tp, self.ep))
 
     def _partition(self, cap):
-        """(The tp-local step (passes/tp.py), its placements, its product policy); the first one fixes
-        the plan every later one follows."""
+        """(The tp-local step (passes/tp.py), its placements, its product policy); the first fixes the plan for all."""
         from .kernels import available
         from .passes import fuse_tp
         from .passes import tp as tp_pass

@@ -59,9 +59,8 @@ class ScheduleOptions:
     bucket_mb: float = 25.0
     """ddp: close an all-reduce bucket at this many MiB."""
     shard_bucket_mb: float | str | None = "auto"
-    """zero: all-gather/reduce-scatter buckets: "auto" (the size the cost model predicts fastest without
-    raising the predicted peak by more than 10%), a number of MiB, 0 (one collective per parameter) or
-    None (twice the largest parameter)."""
+    """zero: all-gather/reduce-scatter buckets: "auto" (the size the cost model predicts fastest without raising the
+    predicted peak by more than 10%), a number of MiB, 0 (one collective per parameter) or None (twice the largest)."""
     schedule: bool = True
     """Reorder collectives for latency hiding (passes/schedule.py)."""
     max_in_flight_mb: float | None = None
@@ -179,8 +178,8 @@ class JobConfig:
     matmul_sm_carveout: int | str | None = "auto"
     """SMs the products beside a collective leave free (CUDA): "auto", a number, or None."""
     link_profile: object = None
-    """The link the cost model times collectives on: a preset name, a JSON file from ``shardwise calibrate``
-    or a ``LinkProfile``; None: the preset of the backend."""
+    """The link the cost model times collectives on: a preset name, a ``shardwise calibrate`` JSON or a ``LinkProfile``;
+    None: the backend's preset."""
     tp_plan: str | dict | None = None
     """Where the mesh has a tp axis: ``"megatron"`` (the default there: column/row-parallel pairs found
     from the graph, passes/tp.py) or ``{parameter-name glob: sw.Shard(dim) | sw.Replicate()}``."""
@@ -189,34 +188,30 @@ class JobConfig:
     norms) lie in sequence shards; all-gather before each column-parallel product, reduce-scatter after
     each row-parallel one, in place of the all-reduces."""
     allow_replicate: bool = False
-    """With a tp axis: an op no sharding rule knows runs on whole inputs (gathered, with a warning that
-    names it) instead of stopping the job."""
+    """With a tp axis: an op no sharding rule knows runs on whole inputs (gathered, named in a warning), not failing."""
     vocab_parallel: bool | None = None
     """Megatron's plan: the untied LM head cut by classes (True), whole (False), or whichever the cost
     model predicts faster (None; passes/tp.py ``head_choice``)."""
     tp_fuse: str = "auto"
-    """With a tp axis: each product beside its tp collective (an all-gather it reads, a reduce-scatter
-    or all-reduce of its result) run fused with it (passes/fuse_tp.py): "auto" as the cost model
-    predicts fastest, "off", "ring" (the decomposed path, any device) or "kernel" (Triton over
-    symmetric memory, CUDA)."""
+    """With a tp axis: each product beside its tp collective (an all-gather it reads, a reduce-scatter or all-reduce of
+    its result) run fused with it (passes/fuse_tp.py): "auto" as the cost model predicts fastest, "off", "ring" (the
+    decomposed path, any device) or "kernel" (Triton over symmetric memory, CUDA)."""
     ep_plan: list | tuple | None = None
     """Where the mesh has an ep axis: parameter-name globs of the expert parameters to split over it
     (each ``[experts, ...]``); None: those found from the graph (passes/ep.py)."""
     ep_capacity_factor: float | str | None = None
-    """Where the ep axis splits Hugging Face experts, how their pairs reach them: a number is GShard's
-    capacity rule with this factor (pairs past an expert's capacity dropped; all-to-alls of fixed
-    blocks); ``"dropless"`` the gather of every pair to every rank (buffers for the worst case); None
-    dropless where its predicted graph peak fits the memory (the budget's graph share, or the GPU's),
-    else capacity at ``DEFAULT_CAPACITY`` (passes/ep.py ``dispatch_choice``; explain says which and
-    why). The built-in MoE sets its own (``capacity_factor``)."""
+    """Where the ep axis splits Hugging Face experts, how their pairs reach them: a number is GShard's capacity rule
+    with this factor (pairs past an expert's capacity dropped; all-to-alls of fixed blocks); ``"dropless"`` the gather
+    of every pair to every rank (buffers for the worst case); None dropless where its predicted graph peak fits the
+    memory (the budget's graph share, or the GPU's), else capacity at ``DEFAULT_CAPACITY`` (passes/ep.py
+    ``dispatch_choice``; explain says which and why). The built-in MoE sets its own (``capacity_factor``)."""
     ep_split: int = 1
     """With an ep axis: each micro-batch traced as this many parts (rows), interleaved so one part's ep
     collectives run under another's compute (passes/ep.py ``interleave``); each dispatched alone."""
     timeout: float | None = 100.0
-    """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load
-    or export is watched for a rank that raises, not for time). A rank that waits
-    longer leaves with a message naming the rank that failed, stalled or is elsewhere and the step
-    (runtime/watchdog.py); None: no watch."""
+    """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load or export is
+    watched for a rank that raises, not for time). A rank that waits longer leaves with a message naming the rank that
+    failed, stalled or is elsewhere and the step (runtime/watchdog.py); None: no watch."""
 
     def __post_init__(self):
         mi = self.model_inputs

@@ -48,8 +48,7 @@ class RankMismatchError(ShardwiseError, RuntimeError):
 
 
 def size_text(n: float) -> str:
-    """Bytes in the largest unit (up to GiB) of which there is at least one: messages and the CLI's
-    lines never say 0.0 MiB."""
+    """Bytes in the largest unit (up to GiB) of which there is at least one: messages never say 0.0 MiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"

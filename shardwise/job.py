@@ -317,9 +317,8 @@ class Job(Checkpointing, Held):
         return self.plan.resident_bytes()
 
     def profile_compute(self, batch) -> dict[str, float]:
-        """Measure each compute node of the step program for ``batch`` on this device (max over ranks;
-        a collective: every rank must call it). The cost model uses these times instead of the
-        roofline from then on."""
+        """Measure each compute node of the step program for ``batch`` on this device (max over ranks; a collective:
+        every rank must call it). The cost model uses these times instead of the roofline from then on."""
         from .capture import flatten_batch
         from .runtime.profile import node_times
 

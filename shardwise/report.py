@@ -16,9 +16,8 @@ def choices(rows) -> str:
 
 
 def explain(job) -> str:
-    """The plan of ``job`` (a ``shardwise.Job``): strategy, mesh, placements, and per compiled program its
-    collectives with bytes, predicted time and exposure, and the predicted step (two-lane simulation of
-    the schedule)."""
+    """The plan of ``job`` (a ``shardwise.Job``): strategy, mesh, placements, and per compiled program its collectives
+    with bytes, predicted time and exposure, and the predicted step (two-lane simulation of the schedule)."""
     lp, dev = job.cost.link, job.cost.device
     lines = [f"strategy={job.strategy} {job.mesh} precision={job.config.mixed_precision}", f"link profile: {lp}",
              f"compute: roofline on {dev.name} ({dev.flops / 1e12:.1f} TFLOP/s, {dev.bandwidth / 1e9:.0f} GB/s)",
@@ -149,11 +148,10 @@ def explain(job) -> str:
 
 
 def _moe_lines(job, prog) -> list[str]:
-    """Per MoE layer the ep axis splits: how its pairs reach the experts (a capacity dispatch's
-    all-to-all, or every pair gathered: dropless), experts per rank, capacity, what the layer's
-    forward collectives send per rank and their predicted time, and the pairs dropped in the last
-    step on this rank (a ``dropped`` buffer beside the experts, as the built-in MoE keeps; ``-``
-    where none)."""
+    """Per MoE layer the ep axis splits: how its pairs reach the experts (a capacity dispatch's all-to-all, or every
+    pair gathered: dropless), experts per rank, capacity, what the layer's forward collectives send per rank and their
+    predicted time, and the pairs dropped in the last step on this rank (a ``dropped`` buffer beside the experts, as the
+    built-in MoE keeps; ``-`` where none)."""
     layers = prog.capture.moe_layers
     if not layers:
         return []

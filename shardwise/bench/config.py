@@ -36,17 +36,15 @@ class BenchConfig:
     memory_fraction: float | None = None
     """CUDA: cap every system at this fraction of device memory (``set_per_process_memory_fraction``)."""
     link_profile: str | None = None
-    """shardwise's link profile: a preset name or a JSON file from ``shardwise calibrate``; None: the preset
-    for the backend."""
+    """shardwise's link profile: a preset name or a JSON file from ``shardwise calibrate``; None: the backend's."""
     trace_dir: str | None = None
     """Write rank 0's chrome trace of the profiled step of each system here (``<system>.json.gz``)."""
     memory_sites: bool = False
     """CUDA: record the allocator over one more step and add to each row the blocks live at its peak,
     grouped by where they were allocated (``memory_at_peak``)."""
     tp: int = 1
-    """Tensor-parallel ranks (adjacent ranks; the rest are dp): shardwise runs on ``sw.mesh(tp=tp)``, the
-    FSDP2 peers on torch's TP (DTensor ``parallelize_module``) over the same 2-D mesh; each tp group
-    trains on its dp rank's batches."""
+    """Tensor-parallel ranks (adjacent ranks; the rest are dp): shardwise runs on ``sw.mesh(tp=tp)``, the FSDP2 peers
+    on torch's TP (DTensor ``parallelize_module``) over one 2-D mesh; each tp group trains on its dp rank's batches."""
     sp: bool = False
     """With ``tp``: sequence parallelism in every system that has it."""
     vocab_parallel: bool | None = None

@@ -77,8 +77,7 @@ def peer(system: str, cfg: BenchConfig, model, device):
     else:  # compile: this rank alone, no communication
         run = torch.compile(model)
         amp = cfg.precision == "bf16"
-    # fused=1: torch's fused AdamW kernel, the update shardwise runs on CUDA; default: torch's own
-    # default (foreach on CUDA)
+    # fused=1: torch's fused AdamW kernel, the update shardwise runs on CUDA; default: torch's (foreach on CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **({"fused": True} if options(system).get("fused") else {}))
 
     def step(batch):
@@ -99,12 +98,11 @@ TP_PEERS = ("compile", "fsdp2", "fsdp2-compile")
 
 
 def tensor_parallel(model, cfg: BenchConfig, device):
-    """torch's own tensor parallelism on a built-in Llama, as torchtitan applies it: DTensor
-    ``parallelize_module`` over the tp axis of a (dp, tp) ``DeviceMesh`` (tp innermost) — q/k/v and
-    gate/up column-parallel, o and down row-parallel, the embedding row-parallel (vocab) and the head
-    column-parallel into a vocab-parallel loss (``loss_parallel``); with ``cfg.sp`` the norms and the
-    residual stream in sequence shards (``SequenceParallel``). Each attention module is told its
-    local head counts. Returns the dp mesh for FSDP2."""
+    """torch's own tensor parallelism on a built-in Llama, as torchtitan applies it: DTensor ``parallelize_module`` over
+    the tp axis of a (dp, tp) ``DeviceMesh`` (tp innermost) — q/k/v and gate/up column-parallel, o and down
+    row-parallel, the embedding row-parallel (vocab) and the head column-parallel into a vocab-parallel loss
+    (``loss_parallel``); with ``cfg.sp`` the norms and the residual stream in sequence shards (``SequenceParallel``).
+    Each attention module is told its local head counts. Returns the dp mesh for FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,

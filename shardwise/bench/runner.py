@@ -1,38 +1,32 @@
 """``shardwise bench``: shardwise and its peers on the same model, batch and precision, in one run.
 
-Every system trains the same built-in model from the same seed on the same synthetic batches per
-rank, with the same precision policy (bf16 compute with fp32 weights, optimizer and gradient
-reduction; or fp32) and the same activation-checkpointing setting, then:
+Every system trains the same built-in model from the same seed on the same synthetic batches per rank, with the same
+precision policy (bf16 compute with fp32 weights, optimizer and gradient reduction; or fp32) and the same
+activation-checkpointing setting, then:
 
-- ``step_s``: wall time of the timed steps, run back to back and ended by one device sync, over
-  their number (the slowest rank's);
-- ``tokens_per_s_per_gpu``: batch x sequence per rank / step_s; ``mfu``: model FLOPs per token
-  (6N + 12·L·d·T, PaLM's formula) x tokens/s against the device's dense bf16 peak;
-- ``peak_mem_gb``: ``max_memory_allocated`` over the timed steps (CUDA), MemTracker's live-tensor
-  peak of one step (CPU);
-- ``exposed_comm_pct``: from a torch.profiler trace of one step (runtime/profile.py): NCCL kernel
-  time with no other kernel running (the profiler slows the step it traces);
-- ``over_ceiling_pct`` (when the ``compile`` system ran in the same record): the share of the step
-  above the no-communication ceiling, measured without the profiler;
-- shardwise only: ``pred_step_s`` and ``pred_peak_mem_gb`` from its cost model, made before the
-  timed steps.
+- ``step_s``: the timed steps' mean wall time (back to back, one device sync at the end; the slowest rank's);
+- ``tokens_per_s_per_gpu``: batch x sequence per rank / step_s; ``mfu``: model FLOPs per token (6N + 12·L·d·T, PaLM's
+  formula) x tokens/s against the device's dense bf16 peak;
+- ``peak_mem_gb``: ``max_memory_allocated`` over the timed steps (CUDA), MemTracker's live-tensor peak of a step (CPU);
+- ``exposed_comm_pct``: NCCL kernel time with no other kernel running, from a torch.profiler trace of one step
+  (runtime/profile.py; the profiler slows the step it traces);
+- ``over_ceiling_pct`` (where the record has a ``compile`` row): the step's share above that no-communication ceiling,
+  measured without the profiler;
+- shardwise only: ``pred_step_s`` and ``pred_peak_mem_gb`` from its cost model, made before the timed steps.
 
-Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off) — either may carry
-options, e.g. ``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` or
-``shardwise:offload=1+recompute=1+budget_gb=30`` (offload=all: no state kept on the device) —
-``compile`` (plain torch.compile on each rank's batch, no communication: the single-device ceiling),
-``ddp``, ``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (then torch.compile),
-``fsdp2-offload`` (``CPUOffloadPolicy``: shards, gradients and the optimizer step on the host); these
-torch peers take ``:fused=1`` for torch's fused AdamW, which shardwise picks itself on CUDA
-(``shardwise:fused=0`` turns that off; each row's ``optimizer`` names the kernel), ``deepspeed``
-(ZeRO-3; ``:offload=1`` to CPU Adam, ``+ratio=0.7`` only that share) and ``deepcompile``
-(``:offload=1``: its ``offload_opt_states``) where deepspeed is installed on a CUDA machine. A system
-that fails (out of memory, missing package) is recorded with its error; the others still run.
+Systems: ``shardwise`` (passes on: scheduler), ``shardwise-noopt`` (scheduler off) — either may carry options, e.g.
+``shardwise:ops=1+inflight_mb=256+bucket_mb=128+executor=fx`` or ``shardwise:offload=1+recompute=1+budget_gb=30``
+(offload=all: no state kept on the device) — ``compile`` (plain torch.compile on each rank's batch, no communication:
+the single-device ceiling), ``ddp``, ``fsdp2`` (``fully_shard`` per block and root), ``fsdp2-compile`` (then
+torch.compile), ``fsdp2-offload`` (``CPUOffloadPolicy``: shards, gradients and the optimizer step on the host); these
+torch peers take ``:fused=1`` for torch's fused AdamW, which shardwise picks itself on CUDA (``shardwise:fused=0`` turns
+that off; each row's ``optimizer`` names the kernel), ``deepspeed`` (ZeRO-3; ``:offload=1`` to CPU Adam, ``+ratio=0.7``
+only that share) and ``deepcompile`` (``:offload=1``: its ``offload_opt_states``) where deepspeed is installed on a CUDA
+machine. A system that fails (out of memory, missing package) is recorded with its error; the others still run.
 
-With ``--tp N [--sp]`` shardwise runs on ``sw.mesh(tp=N)`` and ``fsdp2`` / ``fsdp2-compile`` become
-FSDP2 over dp with torch's TP over tp (peers.tensor_parallel, the built-in Llama); a tp group trains
-on one batch, so tokens per GPU are its tokens over N. Each row's ``loss`` (the last timed step's)
-shows that the systems trained the same model alike.
+With ``--tp N [--sp]`` shardwise runs on ``sw.mesh(tp=N)`` and ``fsdp2`` / ``fsdp2-compile`` become FSDP2 over dp with
+torch's TP over tp (peers.tensor_parallel, the built-in Llama); a tp group trains on one batch, so tokens per GPU are
+its tokens over N. Each row's ``loss`` (the last timed step's) shows that the systems trained the same model alike.
 """
 
 from __future__ import annotations
@@ -46,6 +40,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import MISSING, asdict, fields
 
 import torch
@@ -377,8 +372,6 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
         except Exception as e:  # noqa: BLE001 - recorded, the next system still runs
             row = {"system": system, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             err = row["error"]
-            import traceback
-
             traceback.print_exc()
         # agree: a system counts only if it ran on every rank
         errs: list = [None] * ws
@@ -416,8 +409,7 @@ def _append_to(path: str, rec: dict) -> str:
         systems = cfg["systems"]
     except (KeyError, TypeError):
         return f"bench --append: {path} is not a bench record (no config, results, command or date)"
-    # settings that are not part of what is measured may differ; a setting an older record lacks
-    # counts as its default
+    # settings that are not part of what is measured may differ; a setting an older record lacks counts as its default
     ignore = {"systems", "trace_dir", "memory_sites", "system_timeout"}
     defaults = {f.name: f.default for f in fields(BenchConfig) if f.default is not MISSING}
     keys = (set(cfg) | set(rec["config"])) - ignore

@@ -1,25 +1,24 @@
 """The one collective model: α-β over a topology of link levels, in the form of NCCL's ring model.
 
-A group of ranks spreads over the levels of a ``Topology`` (innermost first: NVLink inside a node,
-InfiniBand between nodes, one level per TPU torus axis). A collective of ``kind`` over a tensor of
-``S`` bytes (the all-gather output, the reduce-scatter input, the all-reduce buffer) costs
+A group of ranks spreads over the levels of a ``Topology`` (innermost first: NVLink inside a node, InfiniBand between
+nodes, one level per TPU torus axis). A collective of ``kind`` over a tensor of ``S`` bytes (the all-gather output, the
+reduce-scatter input, the all-reduce buffer) costs
 
-- latency: each spanned level's ``f·(n_d − 1)`` algorithm steps at its per-step ``alpha``, plus the
-  largest per-call ``overhead`` of a spanned level (launch and host dispatch, which ``calibrate``
-  measures as one figure per call). A GPU cluster's all-gather or reduce-scatter is one ring through
-  the whole group (NCCL's tuner: ``p − 1`` steps, ``nodes − 1`` of them over the network), so each
-  level's ``n_d − 1`` hops repeat once per group of the levels above it;
-- bandwidth: ``bus_factor(kind, n) · S / busbw`` on one level. Across levels, GPU clusters
-  (``rings``) run NCCL's rings through the whole group at the slowest level's bus bandwidth, a
-  network level counting every NIC of the node; TPU tori (and slices over the data-center network)
-  go level by level on shrinking data, ``Σ_d f·(n_d − 1)/n_d · S_d / B_d`` with ``S_{d+1} = S_d / n_d``.
-  Inside an NVSwitch node an all-reduce may reduce in the switch (NVLS), and across such nodes run
-  as NVLSTree, whichever is faster.
+- latency: each spanned level's ``f·(n_d − 1)`` algorithm steps at its per-step ``alpha``, plus the largest per-call
+  ``overhead`` of a spanned level (launch and host dispatch, which ``calibrate`` measures as one figure per call). A GPU
+  cluster's all-gather or reduce-scatter is one ring through the whole group (NCCL's tuner: ``p − 1`` steps,
+  ``nodes − 1`` of them over the network), so each level's ``n_d − 1`` hops repeat once per group of the levels above
+  it;
+- bandwidth: ``bus_factor(kind, n) · S / busbw`` on one level. Across levels, GPU clusters (``rings``) run NCCL's rings
+  through the whole group at the slowest level's bus bandwidth, a network level counting every NIC of the node; TPU tori
+  (and slices over the data-center network) go level by level on shrinking data, ``Σ_d f·(n_d − 1)/n_d · S_d / B_d``
+  with ``S_{d+1} = S_d / n_d``. Inside an NVSwitch node an all-reduce may reduce in the switch (NVLS), and across such
+  nodes run as NVLSTree, whichever is faster.
 
-``f`` is 2 for an all-reduce (a reduce-scatter and an all-gather) and 1 otherwise; ``busbw`` is what
-nccl-tests call bus bandwidth, so published figures drop in as they are. A calibrated
-``LinkProfile`` (per-kind α per call and bus bandwidth, measured over one group) is a one-level
-topology: the compiler, the memory plan and ``shardwise plan`` all time collectives here.
+``f`` is 2 for an all-reduce (a reduce-scatter and an all-gather) and 1 otherwise; ``busbw`` is what nccl-tests call bus
+bandwidth, so published figures drop in as they are. A calibrated ``LinkProfile`` (per-kind α per call and bus
+bandwidth, measured over one group) is a one-level topology: the compiler, the memory plan and ``shardwise plan`` all
+time collectives here.
 """
 
 from __future__ import annotations
@@ -71,9 +70,8 @@ class Level:
     alpha: float | Mapping = 0.0
     """Seconds per step of the algorithm at this level."""
     nvls_algbw: float | None = None
-    """NVSwitch with NVLink SHARP: an all-reduce within this level reduces in the switch at this
-    algorithm bandwidth (bytes/s of the whole buffer) when that beats the ring; NCCL's default on
-    H100/H200 NVSwitch nodes."""
+    """NVSwitch with NVLink SHARP: an all-reduce within this level reduces in the switch at this algorithm bandwidth
+    (bytes/s of the whole buffer) when that beats the ring; NCCL's default on H100/H200 NVSwitch nodes."""
     overhead: float | Mapping = 0.0
     """Seconds per call beyond the algorithm's steps (kernel launch, host dispatch), by kind."""
 
@@ -102,9 +100,8 @@ class Topology:
         return int(np.prod([size for size, _ in self.dims]))
 
     def levels(self, group: int, inner: int = 1) -> list[tuple[int, Level]]:
-        """How a group of ``group`` ranks spreads over the dimensions when its ranks are ``inner``
-        apart (tensor-parallel groups are innermost: ``inner`` = 1; data-parallel ranks are
-        ``tp · pp`` apart)."""
+        """How a group of ``group`` ranks spreads over the dimensions when its ranks are ``inner`` apart
+        (tensor-parallel groups are innermost: ``inner`` = 1; data-parallel ranks are ``tp · pp`` apart)."""
         out, stride, left = [], inner, group
         for size, lvl in self.dims:
             if left <= 1:
@@ -126,9 +123,8 @@ class Topology:
         return out
 
     def time(self, kind: str, nbytes: float, group: int, inner: int = 1) -> float:
-        """Seconds of one ``kind`` (all_gather, reduce_scatter, all_reduce, all_to_all) over ``group``
-        ranks on a full tensor of ``nbytes`` (the all-gather output, the reduce-scatter input, one
-        rank's all-to-all buffer)."""
+        """Seconds of one ``kind`` (all_gather, reduce_scatter, all_reduce, all_to_all) over ``group`` ranks on a full
+        tensor of ``nbytes`` (the all-gather output, the reduce-scatter input, one rank's all-to-all buffer)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
         if kind == "all_to_all":
@@ -170,12 +166,11 @@ class Topology:
 
     @staticmethod
     def nvls_tree_s(nbytes: float, node: tuple[int, Level], net: tuple[int, Level]) -> float:
-        """NCCL's NVLSTree all-reduce over NVSwitch nodes (bandwidth term): the switch reduces the
-        buffer inside each node, leaving each of the node's g GPUs 1/g of it to all-reduce across
-        the m nodes over its own NIC on a double binary tree, then multicasts the result back. The
-        two stages are pipelined, so the slower sets the time. Over the trees a NIC carries its
-        share once each way when m = 2 (each node is one tree's root and the other's leaf) and twice
-        when m > 2 (an inner node of one tree receives from two children, then sends to both)."""
+        """NCCL's NVLSTree all-reduce over NVSwitch nodes (bandwidth term): the switch reduces the buffer inside each
+        node, leaving each of the node's g GPUs 1/g of it to all-reduce across the m nodes over its own NIC on a double
+        binary tree, then multicasts the result back. The two stages are pipelined, so the slower sets the time. Over
+        the trees a NIC carries its share once each way when m = 2 (each node is one tree's root and the other's leaf)
+        and twice when m > 2 (an inner node of one tree receives from two children, then sends to both)."""
         (g, inside), (m, lvl) = node, net
         per_nic = nbytes / g * (1 if m == 2 else 2)
         return max(nbytes / inside.nvls_algbw, per_nic / lvl.bw("all_reduce"))
@@ -202,8 +197,7 @@ class LinkProfile:
 
     name: str
     alpha: dict = field(default_factory=dict)
-    """Seconds of fixed cost per call, by kind (``all_to_all`` where measured; else it is predicted
-    from the all-gather's figures)."""
+    """Seconds of fixed cost per call, by kind (``all_to_all`` where measured; else predicted from the all-gather's)."""
     busbw: dict = field(default_factory=dict)
     """Bus bandwidth in bytes/s, by kind."""
     source: str = ""

@@ -1,15 +1,14 @@
 """Predicted time of a tensor-parallel product fused with its collective (passes/fuse_tp.py), three ways:
 
-- ``plain``: the collective, then the products (what the tp partition makes; its collectives are not
-  overlapped, so the two add);
-- ``ring``: the decomposed path (kernels/ring.py): ``p`` steps (``chunks`` for an all-reduce), each
-  step's products running beside the next step's transfer; a step takes the longer of the two, and
-  the products of a block of rows re-read the whole weight; each step costs the host some time too;
-- ``kernel``: the Triton kernels over symmetric memory (kernels/ag_gemm.py, kernels/gemm_rs.py): the
-  copy engines move the shards while one persistent product runs at ``efficiency`` of the library's
-  rate; all-gather+GEMM starts on the local shard, GEMM+reduce-scatter ends with a reduction of the
-  ``p`` partial blocks at memory bandwidth; two barriers a call; never faster than its launcher's
-  host time.
+- ``plain``: the collective, then the products (what the tp partition makes; its collectives are not overlapped, so the
+  two add);
+- ``ring``: the decomposed path (kernels/ring.py): ``p`` steps (``chunks`` for an all-reduce), each step's products
+  running beside the next step's transfer; a step takes the longer of the two, and the products of a block of rows
+  re-read the whole weight; each step costs the host some time too;
+- ``kernel``: the Triton kernels over symmetric memory (kernels/ag_gemm.py, kernels/gemm_rs.py): the copy engines move
+  the shards while one persistent product runs at ``efficiency`` of the library's rate; all-gather+GEMM starts on the
+  local shard, GEMM+reduce-scatter ends with a reduction of the ``p`` partial blocks at memory bandwidth; two barriers a
+  call; never faster than its launcher's host time.
 """
 
 from __future__ import annotations
@@ -69,9 +68,8 @@ def product_s(m: float, k: int, n: int, itemsize: int, device: Device) -> float:
 
 def fused_s(f: Fused, impl: str, device: Device, link_time: Callable[[str, float, int], float],
             efficiency=None) -> float:
-    """Seconds of ``f`` run as ``impl`` on ``device`` over a link timed by ``link_time(kind, bytes,
-    ranks)``; ``efficiency``: the kernels' measured share of the library's product rate by FLOPs
-    (``KERNEL_EFFICIENCY``'s form)."""
+    """Seconds of ``f`` run as ``impl`` on ``device`` over a link timed by ``link_time(kind, bytes, ranks)``;
+    ``efficiency``: the kernels' measured share of the library's product rate by FLOPs (as ``KERNEL_EFFICIENCY``)."""
     p = f.ranks
 
     def products(parts: int) -> float:  # one block of rows of every product

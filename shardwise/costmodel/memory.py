@@ -1,14 +1,13 @@
 """Simulated memory of a step: tensor liveness over the program's node order.
 
-The FX executor (and eager code in general) frees a tensor once nothing refers to it. In a graph a
-tensor is referred to by the node that made it and by every *alias* of it — views, in-place
-results, collective waits, ``getitem`` of a multi-output op — until the last node reading any of
-them. So each storage is owned by the node that allocated it, lives from that node to the last use
-of any alias, and graph outputs live to the end (they leave the graph: gradients, the loss).
-Placeholders are the caller's tensors and are counted as resident state, not here.
+The FX executor (and eager code in general) frees a tensor once nothing refers to it. In a graph a tensor is referred to
+by the node that made it and by every *alias* of it — views, in-place results, collective waits, ``getitem`` of a
+multi-output op — until the last node reading any of them. So each storage is owned by the node that allocated it, lives
+from that node to the last use of any alias, and graph outputs live to the end (they leave the graph: gradients, the
+loss). Placeholders are the caller's tensors and are counted as resident state, not here.
 
-Peak per rank = resident state + the most graph-made bytes live at once; the optimizer step after
-the graph holds the gradients plus its own temporaries (costmodel/optimizer.py).
+Peak per rank = resident state + the most graph-made bytes live at once; the optimizer step after the graph holds the
+gradients plus its own temporaries (costmodel/optimizer.py).
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ def _fusible(n: fx.Node) -> bool:
 
 
 def _consumers(n: fx.Node) -> tuple[list[fx.Node], set[fx.Node]]:
-    """The nodes that read ``n``'s values, looking through views and other aliases of it, and the
-    aliases (``n`` among them)."""
+    """The nodes that read ``n``'s values, through views and other aliases of it, and the aliases (``n`` among them)."""
     aliases, found, stack = {n}, [], list(n.users)
     while stack:
         u = stack.pop()
@@ -58,10 +56,9 @@ def _addmm_input(n: fx.Node, u: fx.Node, cpu_code: bool) -> bool:
 
 
 def _inlined(n: fx.Node, out: fx.Node, reads: frozenset, heavy: bool = False, cpu_code: bool = False) -> bool:
-    """Inductor computes this elementwise node inside its consumers' kernels rather than storing it:
-    not a graph output, not the input of a library kernel (also through a view, or as the bias of
-    a product inductor turns into addmm), and one consumer (the most any of its aliases has), or few
-    buffers read and (in CPU code) no heavy op in its code."""
+    """Inductor computes this elementwise node inside its consumers' kernels rather than storing it: not a graph output,
+    not the input of a library kernel (also through a view, or as the bias of a product inductor turns into addmm), and
+    one consumer (the most any of its aliases has), or few buffers read and (in CPU code) no heavy op in its code."""
     if not _fusible(n):
         return False
     users, aliases = _consumers(n)
@@ -89,21 +86,20 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
 
     ``fused`` models inductor's code instead of the FX executor's:
 
-    - an elementwise node, or a composite inductor decomposes into elementwise code around small
-      reductions (log-softmax, softmax, their gradients, nll_loss's gradient), is computed inside
-      its consumers' kernels where ``_inlined`` says so (never where it feeds a library kernel); it
-      then allocates nothing and keeps the buffers it reads alive until its consumers run;
-    - with ``inplace``, a stored elementwise result takes the buffer of an input of its size and
-      dtype that dies in its kernel (the logits' buffer becomes their gradient's);
-    - with ``cpu_code`` (default: the graph is on the CPU), a result with several consumers whose
-      code holds a heavy op (exp, log, sigmoid, tanh) is stored, as inductor's C++ backend does;
-    - a half-precision embedding gradient is accumulated in an fp32 buffer of inductor's own,
-      alive until the kernels that cast it have run.
+    - an elementwise node, or a composite inductor decomposes into elementwise code around small reductions
+      (log-softmax, softmax, their gradients, nll_loss's gradient), is computed inside its consumers' kernels where
+      ``_inlined`` says so (never where it feeds a library kernel); it then allocates nothing and keeps the buffers it
+      reads alive until its consumers run;
+    - with ``inplace``, a stored elementwise result takes the buffer of an input of its size and dtype that dies in its
+      kernel (the logits' buffer becomes their gradient's);
+    - with ``cpu_code`` (default: the graph is on the CPU), a result with several consumers whose code holds a heavy op
+      (exp, log, sigmoid, tanh) is stored, as inductor's C++ backend does;
+    - a half-precision embedding gradient is accumulated in an fp32 buffer of inductor's own, alive until the kernels
+      that cast it have run.
 
-    Against inductor's generated code on CPU (``runtime.memory.inductor_wrapper_peak``, small Llama
-    and GPT steps, bf16 and fp32, checkpointed, zero3 and ddp) it is within 5%; on H200s (1.1B
-    Llama, 2026-11-30) the measured peaks were 0.4-2.5% from it (re-predicted after the sittings).
-    A model, not a measurement.
+    Against inductor's generated code on CPU (``runtime.memory.inductor_wrapper_peak``, small Llama and GPT steps, bf16
+    and fp32, checkpointed, zero3 and ddp) it is within 5%; on H200s (1.1B Llama, 2026-11-30) the measured peaks were
+    0.4-2.5% from it (re-predicted after the sittings). A model, not a measurement.
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}

@@ -62,9 +62,8 @@ class CostModel:
     @classmethod
     def custom(cls, node_time: Callable | None = None, comm_time: Callable | None = None,
                estimate: Callable | None = None, fetch_time: Callable | None = None) -> "CostModel":
-        """A cost model whose parts are the given functions (each one replaces the method of its name;
-        the rest are the CPU's roofline over the gloo preset): estimators of one's own, exact ones in
-        tests."""
+        """A cost model whose parts are the given functions (each one replaces the method of its name; the rest are the
+        CPU's roofline over the gloo preset): estimators of one's own, exact ones in tests."""
         cm = cls.for_job(None, "cpu")
         for name, fn in (("node_time", node_time), ("comm_time", comm_time), ("estimate", estimate),
                          ("fetch_time", fetch_time)):
@@ -100,12 +99,11 @@ class CostModel:
         return simulate(gm, compute, self.comm_time, free)
 
     def step_time(self, gm: fx.GraphModule, tl: Timeline, update_s: float, overlap: str | None = None) -> float:
-        """A step of ``gm`` (simulated as ``tl``) with an update of ``update_s`` seconds: after the graph,
-        or, where the update overlaps the next step, beside its forward (passes/ready.py). ``"host"``
-        (offload): the update runs on the host and the copy engines, so the step is its backward plus
-        the longer of its forward and the update. ``"device"`` (overlap_update): it runs on the same
-        SMs as the forward, whose matrix products hold them whole, so it hides only in the forward's
-        idle compute time (waits for collectives)."""
+        """A step of ``gm`` (simulated as ``tl``) with an update of ``update_s`` seconds: after the graph, or, where the
+        update overlaps the next step, beside its forward (passes/ready.py). ``"host"`` (offload): the update runs on
+        the host and the copy engines, so the step is its backward plus the longer of its forward and the update.
+        ``"device"`` (overlap_update): it runs on the same SMs as the forward, whose matrix products hold them whole, so
+        it hides only in the forward's idle compute time (waits for collectives)."""
         if overlap is None:
             return tl.step_s + update_s
         seen = {n.name for n in forward_nodes(gm)}

@@ -32,12 +32,11 @@ def update_time(master_bytes: float, bandwidth: float, adam: bool = True, kernel
 def optimizer_transient(opt: torch.optim.Optimizer) -> int:
     """Bytes the optimizer's step allocates for itself on top of its state (a model, not a measure).
 
-    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — holds one whole-list
-    temporary at a time: the bias-corrected ``sqrt(v)``. Every other update is in place, and the
-    gradient copy that L2 decay or ``maximize`` makes is dropped before that list is built
-    (torch/optim/adam.py, ``_multi_tensor_adam``). On an H200 (1.1B Llama, one rank) the measured
-    peak ruled out a second list. The single-tensor loop — the CPU default — holds two temporaries
-    of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam.
+    torch's multi-tensor (``foreach``) Adam/AdamW — the default on CUDA — holds one whole-list temporary at a time: the
+    bias-corrected ``sqrt(v)``. Every other update is in place, and the gradient copy that L2 decay or ``maximize``
+    makes is dropped before that list is built (torch/optim/adam.py, ``_multi_tensor_adam``). On an H200 (1.1B Llama,
+    one rank) the measured peak ruled out a second list. The single-tensor loop — the CPU default — holds two
+    temporaries of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam.
     """
     ps = [p for g in opt.param_groups for p in g["params"]]
     if not ps:

@@ -61,10 +61,9 @@ def simulate(gm: fx.GraphModule, compute_time: Callable[[fx.Node], float],
         events.append(("comm", f"{c.kind} {c.label}".strip(), s, s + d))
 
     def run_beside(lo: float, hi: float, share: float, upto: fx.Node | None = None):
-        """Start the pending collectives due before ``hi`` while the compute lane runs a node
-        leaving ``share`` of the SMs over [lo, hi) (``hi`` = inf: the lane is idle). One due less
-        than ``RACE_S`` before the node ends waits for the next node: a product filling the SMs that
-        starts then still gets them first."""
+        """Start the pending collectives due before ``hi`` while the compute lane runs a node leaving ``share`` of the
+        SMs over [lo, hi) (``hi`` = inf: the lane is idle). One due less than ``RACE_S`` before the node ends waits for
+        the next node: a product filling the SMs that starts then still gets them first."""
         nonlocal comm_free
         while pending:
             n, issued, d = pending[0]

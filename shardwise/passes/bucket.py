@@ -123,9 +123,8 @@ def bucket(gm: fx.GraphModule, ranks: int, bucket_bytes: int) -> int:
         for members in _groups(starts, bucket_bytes):
             merge(g, members, ranks)
             made += 1
-    # a member's result now comes from the bucket's collective, issued after the last member's
-    # input: readers placed between (the copy back to the GPU of gloo's host-staged collectives)
-    # follow it there
+    # a member's result now comes from the bucket's collective, issued after the last member's input: readers placed
+    # between (the copy back to the GPU of gloo's host-staged collectives) follow it there
     emit.restore_topological_order(g)
     g.lint()
     gm.recompile()

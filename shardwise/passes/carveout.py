@@ -1,24 +1,22 @@
 """Matrix products beside a collective leave SMs free for it (runtime/ops.py says why).
 
-The cost model's two-lane simulation of the finished program (``costmodel.simulate``: each node's
-predicted time, each collective's α-β time) says when each product runs and when each collective
-is on the link. A product predicted to take at least ``min_s`` and to overlap a collective becomes
-its carved twin (same arguments, then the SMs to leave free), which runs the product with the
-carveout set and puts it back. Products with the link idle beside them keep every SM, and so do
-short ones (for them a carved call's cost, ~10 µs on the host, is not worth it). Each carved product
-is the product to the op registry (its FLOPs) and keeps its share of the SMs in ``meta["sm_share"]``
-(the roofline stretches its time, ``costmodel.compute``).
+The cost model's two-lane simulation of the finished program (``costmodel.simulate``: each node's predicted time, each
+collective's α-β time) says when each product runs and when each collective is on the link. A product predicted to take
+at least ``min_s`` and to overlap a collective becomes its carved twin (same arguments, then the SMs to leave free),
+which runs the product with the carveout set and puts it back. Products with the link idle beside them keep every SM,
+and so do short ones (for them a carved call's cost, ~10 µs on the host, is not worth it). Each carved product is the
+product to the op registry (its FLOPs) and keeps its share of the SMs in ``meta["sm_share"]`` (the roofline stretches
+its time, ``costmodel.compute``).
 
-``auto`` lets the cost model decide whether to carve at all: it simulates the program with the SM
-contention model (``contention``; costmodel/simulate.py) uncarved and carved, and carves only if
-that is predicted at least ``CARVE_TIE`` faster. Uncarved, a product that fills every SM holds back
-a collective due while it runs (what sitting 7's traces show for the MoE's expert gathers);
-carved, the collective runs beside it, slower where fewer SMs are left than its kernels need.
-``auto`` is ``compile``'s default on CUDA. In sitting 8 (2xH200) it carved the MoE, 4.2% faster
-than every SM, and left the 8B shape whole, where carving 24 SMs measured 0.9% slower.
+``auto`` lets the cost model decide whether to carve at all: it simulates the program with the SM contention model
+(``contention``; costmodel/simulate.py) uncarved and carved, and carves only if that is predicted at least ``CARVE_TIE``
+faster. Uncarved, a product that fills every SM holds back a collective due while it runs (what sitting 7's traces show
+for the MoE's expert gathers); carved, the collective runs beside it, slower where fewer SMs are left than its kernels
+need. ``auto`` is ``compile``'s default on CUDA. In sitting 8 (2xH200) it carved the MoE, 4.2% faster than every SM, and
+left the 8B shape whole, where carving 24 SMs measured 0.9% slower.
 
-Runs last (``shard_step``): buckets, in-flight cap and memory plan are chosen on uncarved candidates.
-The choice is a function of the graph and the cost model, so every rank makes the same one.
+Runs last (``shard_step``): buckets, in-flight cap and memory plan are chosen on uncarved candidates. The choice is a
+function of the graph and the cost model, so every rank makes the same one.
 """
 
 from __future__ import annotations
@@ -89,9 +87,8 @@ def contention(c: SMCarveout) -> Callable[[fx.Node], float]:
 
 
 def apply(gm: fx.GraphModule, c: SMCarveout, cost) -> tuple[int, tuple[float, float, bool] | None]:
-    """Carve the products ``cost`` (the cost model) predicts to run beside a collective. Returns how
-    many were carved and, under ``auto``, (predicted step uncarved, carved, whether carved) by the
-    contention model."""
+    """Carve the products ``cost`` (the cost model) predicts to run beside a collective. Returns how many were carved
+    and, under ``auto``, (predicted step uncarved, carved, whether carved) by the contention model."""
     tl = cost.simulate(gm)
     comm = sorted((s, e) for lane, _, s, e in tl.events if lane == "comm" and e > s)
     runs = {name: (s, e) for lane, name, s, e in tl.events if lane == "compute"}
@@ -129,8 +126,7 @@ CARVE_MIN_S = 20e-6
 
 
 def choose(sms, device: torch.device, backend: str = "nccl", schedule: bool = True) -> SMCarveout | None:
-    """``compile``'s ``matmul_sm_carveout`` checked against the device: the pass's settings, or None
-    for every SM."""
+    """``compile``'s ``matmul_sm_carveout`` checked against the device: the pass's settings, or None for every SM."""
     if sms is None:
         return None
     auto = isinstance(sms, str) and sms == "auto"

@@ -1,29 +1,26 @@
-"""Expert parallelism: the captured step's experts split over the ep axis of the mesh, tokens moved
-to them and back by all-to-all.
+"""Expert parallelism: the captured step's experts split over the ep axis of the mesh, tokens moved to them and back by
+all-to-all.
 
-The ranks of an ep line each hold their own micro-batch (the ep axis is data parallel for everything
-but the experts) and ``1/ep`` of every MoE layer's experts. An expert parameter is a 3-dim parameter
-that a batched product (``bmm``) reads as one matrix per expert (dim 0). The values computed per
-expert from it (the batched products, the pointwise ops and transposes between them, forward and
-backward) form the layer's *expert region*. Its values are ``[E, C, ...]`` on each rank (all ``E``
-experts, this rank's ``C`` token slots); it runs instead on ``[E/ep, ep*C, ...]``. So:
+The ranks of an ep line each hold their own micro-batch (the ep axis is data parallel for everything but the experts)
+and ``1/ep`` of every MoE layer's experts. An expert parameter is a 3-dim parameter that a batched product (``bmm``)
+reads as one matrix per expert (dim 0). The values computed per expert from it (the batched products, the pointwise ops
+and transposes between them, forward and backward) form the layer's *expert region*. Its values are ``[E, C, ...]`` on
+each rank (all ``E`` experts, this rank's ``C`` token slots); it runs instead on ``[E/ep, ep*C, ...]``. So:
 
-1. a value entering the region (the dispatch buffer; in the backward, the gradient of the combine's
-   input) is sent by all-to-all: expert block ``j`` to rank ``j``, received blocks concatenated by slot;
-2. a value leaving it (the experts' output; the gradient of the dispatch buffer) comes back by the
-   inverse all-to-all;
-3. a value of an expert parameter's shape made in the region (its gradient) is this rank's experts'
-   whole gradient (a product over every rank's slots): it stays where it is.
+1. a value entering the region (the dispatch buffer; in the backward, the gradient of the combine's input) is sent by
+   all-to-all: expert block ``j`` to rank ``j``, received blocks concatenated by slot;
+2. a value leaving it (the experts' output; the gradient of the dispatch buffer) comes back by the inverse all-to-all;
+3. a value of an expert parameter's shape made in the region (its gradient) is this rank's experts' whole gradient (a
+   product over every rank's slots): it stays where it is.
 
-Outside the region every value is this rank's own, as under data parallelism: the other gradients are
-summed over the ep ranks, and every gradient and the loss taken as the mean of the ep ranks'. The result
-is a Capture of the ep-local step, its expert parameters the ep shards (``Shard(0)``), which the dp
-strategy passes then shard as a single device's. Under a ZeRO strategy the other parameters are cut
-over ep too (``_shard_shared``): ZeRO over dp x ep.
+Outside the region every value is this rank's own, as under data parallelism: the other gradients are summed over the ep
+ranks, and every gradient and the loss taken as the mean of the ep ranks'. The result is a Capture of the ep-local step,
+its expert parameters the ep shards (``Shard(0)``), which the dp strategy passes then shard as a single device's. Under
+a ZeRO strategy the other parameters are cut over ep too (``_shard_shared``): ZeRO over dp x ep.
 
-Hugging Face experts (``use_experts_implementation``) sort their pairs by expert into groups whose
-sizes follow the routing, which no static graph rewrite can move: they are split as the step is
-traced instead (``hf_forwards``), dropless, and the traced collectives named after (``finish_traced``).
+Hugging Face experts (``use_experts_implementation``) sort their pairs by expert into groups whose sizes follow the
+routing, which no static graph rewrite can move: they are split as the step is traced instead (``hf_forwards``),
+dropless, and the traced collectives named after (``finish_traced``).
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ class ExpertError(ValueError):
 
 
 def _planned(found: dict[str, int], names, plan) -> dict[str, int]:
-    """``found`` kept to the parameters ``plan``'s globs name (all of them where ``plan`` is None); a
-    glob that names no expert parameter is an error."""
+    """``found`` kept to the parameters ``plan``'s globs name (all where it is None); a glob naming none is an error."""
     if plan is None:
         return found
     for g in plan:
@@ -135,8 +131,7 @@ def _from_experts(g, y, ranks, group, phase, stage):
 
 
 def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | None], list[fx.Node]]:
-    """(the slot dim of each region value, None for one shaped as an expert parameter; the values
-    entering the region, in graph order)."""
+    """(the slot dim of each region value, None where shaped as an expert parameter; the values entering, in order)."""
     slot: dict[fx.Node, int | None] = {p: None for p in experts}
     entries: list[fx.Node] = []
     known = set(experts)
@@ -161,9 +156,8 @@ def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | Non
             for x in (a, b):
                 if x not in known:
                     enters(x)
-            # [E, n, k] @ [E, k, m]: slots as a's rows (dim 1) give the product's rows, as b's columns
-            # (dim 2) its columns; a's slot columns times b's slot rows sum over every rank's slots
-            # (a weight's gradient)
+            # [E, n, k] @ [E, k, m]: slots as a's rows (dim 1) give the product's rows, as b's columns (dim 2) its
+            # columns; a's slot columns times b's slot rows sum over every rank's slots (a weight's gradient)
             rule = {(1, None): 1, (None, 2): 2, (2, 1): None, (None, None): None}
             if (slot[a], slot[b]) not in rule:
                 raise ExpertError(f"{n.name}: a batched product of expert values with slots on dims "
@@ -190,9 +184,8 @@ def _region(g: fx.Graph, experts: set[fx.Node]) -> tuple[dict[fx.Node, int | Non
 
 def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
               plan=None, shard_shared: bool = False, split: int = 1) -> tuple[Capture, dict[str, Shard]]:
-    """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring;
-    ``shard_shared`` and ``split``: ``_finish_local``). Returns (its Capture, each split parameter's
-    placement on the ep axis: ``Shard(0)``)."""
+    """The ep-local step of ``cap`` over ``ranks`` ranks of process group ``group`` (module docstring; ``shard_shared``
+    and ``split``: ``_finish_local``). Returns (its Capture, each split parameter's ep placement: ``Shard(0)``)."""
     from ..capture import forward_nodes
 
     counts = experts_of(cap, ranks, plan)
@@ -241,8 +234,7 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
         for u in outside:
             u.replace_input_with(n, back)
     shared = _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared, split)
-    # the inputs' local values (this rank's experts; the shared ones' placeholders are already), and
-    # every value traced again on them
+    # the inputs' local values (this rank's experts; the shared ones' placeholders are already), all traced again
     emit.retrace(gm, lambda ph, shape: [shape[0] // ranks, *shape[1:]] if ph in experts else shape)
     cut = {**counts, **shared}
     shapes = [torch.Size([s[0] // ranks, *s[1:]]) if n in cut else s for n, s in zip(cap.param_names, cap.param_shapes)]
@@ -250,10 +242,9 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
 
 
 def _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared: bool, split: int) -> dict:
-    """What every ep-local step ends with (``partition``'s and ``finish_traced``'s): under a ZeRO
-    strategy the other parameters cut over ep (``_shard_shared``), the gradients and the loss
-    averaged over ep, a split batch's parts interleaved, each ep collective started early. Returns
-    the other parameters cut over ep, with their layouts."""
+    """What every ep-local step ends with (``partition``'s and ``finish_traced``'s): under a ZeRO strategy the other
+    parameters cut over ep (``_shard_shared``), the gradients and the loss averaged over ep, a split batch's parts
+    interleaved, each ep collective started early. Returns the other parameters cut over ep, with their layouts."""
     shared = _shard_shared(g, params, counts, ranks, group, stage) if shard_shared else {}
     _mean_over_ranks(g, cap, params, counts, ranks, group, stage, shared)
     g.eliminate_dead_code()
@@ -311,10 +302,9 @@ _LIGHT = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 
 def issue_early(g: fx.Graph) -> int:
-    """Each ep collective started as soon as its input is made (with the views and copies that feed
-    it alone), its wait left where its value is first read: what the graph computes meanwhile and
-    does not need it (a shared expert beside the routed ones) runs while it is in flight. Returns how
-    many moved."""
+    """Each ep collective started as soon as its input is made (with the views and copies that feed it alone), its wait
+    left where its value is first read: what the graph computes meanwhile and does not need it (a shared expert beside
+    the routed ones) runs while it is in flight. Returns how many moved."""
     order = {n: i for i, n in enumerate(g.nodes)}
     moved = 0
 
@@ -340,10 +330,9 @@ def issue_early(g: fx.Graph) -> int:
 
 
 def interleave(g: fx.Graph) -> None:
-    """A step traced on parts of its batch (``capture_step(split=)``) ordered so that one part's ep
-    collectives run under the other's compute (DeepSpeed-MoE's and MegaScale's split batch): nodes
-    sorted by the ep collectives on their longest path from the inputs, then traced order, forward
-    first (a valid order: no key is below its inputs')."""
+    """A step traced on parts of its batch (``capture_step(split=)``) ordered so that one part's ep collectives run
+    under the other's compute (DeepSpeed-MoE's and MegaScale's split batch): nodes sorted by the ep collectives on their
+    longest path from the inputs, then traced order, forward first (a valid order: no key is below its inputs')."""
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     out = g.find_nodes(op="output")[0]
@@ -517,8 +506,7 @@ def hf_forwards(model, ranks: int, rank: int, group, plan=None,
 
 
 DEFAULT_CAPACITY = 1.25
-"""The capacity factor Hugging Face experts fall back to where dropless does not fit (Switch
-Transformer's training factor)."""
+"""Hugging Face experts' capacity factor where dropless does not fit (Switch Transformer's training factor)."""
 
 
 def dispatch_choice(trace, cost, room: int | None) -> tuple[tuple, dict]:

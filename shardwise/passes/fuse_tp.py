@@ -1,21 +1,20 @@
 """Tensor-parallel products fused with their collectives, in the tp-local step (issue 26).
 
-The tp partition (passes/tp.py) marks each value it moves (``meta["tp_moved"]``). Three patterns
-of the partitioned graph, forward and backward alike, become one op each (runtime/ops.py):
+The tp partition (passes/tp.py) marks each value it moves (``meta["tp_moved"]``). Three patterns of the partitioned
+graph, forward and backward alike, become one op each (runtime/ops.py):
 
-- an all-gather whose whole value is read, as rows of its last dim, by products ``g @ w``
-  (sequence parallelism's gather before a column-parallel pair; the gathered gradient before a
-  row-parallel product's backward): ``ag_mm(shard, [w, ...])`` returns the gathered value too,
-  for its other readers (a weight gradient's product);
-- a product whose partial sum is reduce-scattered (sequence parallelism's row-parallel product,
-  a column-parallel pair's input gradient): ``mm_rs``;
-- a product whose partial sum is all-reduced (the same without sequence parallelism): ``mm_ar``,
-  each block of rows reduced while the next is multiplied.
+- an all-gather whose whole value is read, as rows of its last dim, by products ``g @ w`` (sequence parallelism's gather
+  before a column-parallel pair; the gathered gradient before a row-parallel product's backward):
+  ``ag_mm(shard, [w, ...])`` returns the gathered value too, for its other readers (a weight gradient's product);
+- a product whose partial sum is reduce-scattered (sequence parallelism's row-parallel product, a column-parallel pair's
+  input gradient): ``mm_rs``;
+- a product whose partial sum is all-reduced (the same without sequence parallelism): ``mm_ar``, each block of rows
+  reduced while the next is multiplied.
 
-Each site runs ``plain`` (left as it is), ``ring`` (the decomposed path, kernels/ring.py) or
-``kernel`` (the Triton kernels; all-gather and reduce-scatter, CUDA): the one the cost model
-predicts fastest (costmodel/fused.py), unless it gains less than ``FUSE_TIE`` over plain, or the
-one ``mode`` forces. ``explain`` prints each site's choice and predictions.
+Each site runs ``plain`` (left as it is), ``ring`` (the decomposed path, kernels/ring.py) or ``kernel`` (the Triton
+kernels; all-gather and reduce-scatter, CUDA): the one the cost model predicts fastest (costmodel/fused.py), unless it
+gains less than ``FUSE_TIE`` over plain, or the one ``mode`` forces. ``explain`` prints each site's choice and
+predictions.
 """
 
 from __future__ import annotations

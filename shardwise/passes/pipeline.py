@@ -2,22 +2,20 @@
 
 ``shard_step`` runs, for one strategy on the data-parallel axis:
 
-1. the strategy rewrite (ddp.py, zero.py; accumulate.py for the micro-batches of a step): parameters
-   enter as shards and are all-gathered, gradients are reduced. Everything after it sees the
-   collectives, so it comes first;
-2. recomputation (recompute.py), before bucketing: it copies forward nodes next to their backward
-   readers, which changes what is live where but no collective;
-3. bucketing (bucket.py): merges neighbouring collectives; it must see every per-parameter
-   collective, and the scheduler must see the buckets (it moves them, not their members);
+1. the strategy rewrite (ddp.py, zero.py; accumulate.py for the micro-batches of a step): parameters enter as shards and
+   are all-gathered, gradients are reduced. Everything after it sees the collectives, so it comes first;
+2. recomputation (recompute.py), before bucketing: it copies forward nodes next to their backward readers, which changes
+   what is live where but no collective;
+3. bucketing (bucket.py): merges neighbouring collectives; it must see every per-parameter collective, and the scheduler
+   must see the buckets (it moves them, not their members);
 4. scheduling (schedule.py): the collective order and prefetch, pinned in the node order;
-5. activation offload (actoffload.py) and readiness waits (ready.py), after the schedule: they add
-   copies and waits that must not move a collective;
+5. activation offload (actoffload.py) and readiness waits (ready.py), after the schedule: they add copies and waits that
+   must not move a collective;
 6. the SM carveout (carveout.py), last, on the program every choice settled on (below).
 
-The choices are the cost model's (``ShardContext.cost``), each made on finished programs: the bucket
-size (``_auto_buckets``), the in-flight cap (``_schedule``), the memory plan under a budget
-(unshard.py: recomputation, activation offload, which parameters stay gathered). The same graph and
-cost model give the same choices on every rank.
+The choices are the cost model's (``ShardContext.cost``), each made on finished programs: the bucket size
+(``_auto_buckets``), the in-flight cap (``_schedule``), the memory plan under a budget (unshard.py: recomputation,
+activation offload, which parameters stay gathered). The same graph and cost model give the same choices on every rank.
 """
 
 from __future__ import annotations
@@ -88,11 +86,9 @@ def _shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str) -> Pr
 
 def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap: bool = True,
             ref_peak: int | None = None) -> Program:
-    """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), schedule, then keep
-    activations on the host and put readiness waits where ``ctx`` asks. With ``sweep_cap`` (and
-    ``ctx.cap_sweep``) the scheduler's in-flight cap is the one the cost model picks (``_schedule``);
-    ``ref_peak`` is the predicted peak the sweep's memory slack is measured from (default: the
-    smallest cap's)."""
+    """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), schedule, then keep activations on the host
+    and put readiness waits where ``ctx`` asks. With ``sweep_cap`` (and ``ctx.cap_sweep``) the scheduler's in-flight cap
+    is the cost model's pick (``_schedule``), memory slack measured from ``ref_peak`` (default: the smallest cap's)."""
     starts = emit.collectives(prog.gm, "dp")
     if bucket_bytes != 0 and starts:
         limit = bucket_bytes or 2 * max(collective_of(s).full_bytes for s in starts)
@@ -147,13 +143,12 @@ def _peak_limit(ctx: ShardContext, base: int) -> float:
 
 
 def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: int | None) -> Program:
-    """Schedule ``prog`` for latency hiding, then finish it (``_after_schedule``). The cap on bytes in
-    flight is ``ctx.max_in_flight`` if set; else, where ``_sweeps`` and ``sweep``, the one of
-    ``CAP_FACTORS`` times the largest payload predicted fastest on the finished program (within
-    ``CAP_TIE``, ties to the smaller) whose peak stays within ``_peak_limit`` of ``ref_peak`` and under
-    ``ctx.peak_limit``; else twice the largest payload. A larger cap gathers further ahead (what an
-    MoE's experts need), at the price of gathered weights living longer. Roofline and link profile
-    only: the same choice on every rank."""
+    """Schedule ``prog`` for latency hiding, then finish it (``_after_schedule``). The cap on bytes in flight is
+    ``ctx.max_in_flight`` if set; else, where ``_sweeps`` and ``sweep``, the one of ``CAP_FACTORS`` times the largest
+    payload predicted fastest on the finished program (within ``CAP_TIE``, ties to the smaller) whose peak stays within
+    ``_peak_limit`` of ``ref_peak`` and under ``ctx.peak_limit``; else twice the largest payload. A larger cap gathers
+    further ahead (what an MoE's experts need), at the price of gathered weights living longer. Roofline and link
+    profile only: the same choice on every rank."""
     largest = max(schedule.payload(s) for s in starts)
     if not (sweep and _sweeps(ctx)):
         prog.schedule = schedule.schedule(prog.gm, ctx.max_in_flight or 2 * largest, ctx.max_ops_in_flight)
@@ -178,11 +173,10 @@ def _schedule(prog: Program, ctx: ShardContext, starts, sweep: bool, ref_peak: i
 
 
 def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Program:
-    """Try bucket sizes (none, then 1, 2, 4, 8 and 16 times the largest parameter), finish each
-    program and keep the one the cost model predicts fastest among those whose predicted peak is
-    within ``_peak_limit`` of the unbucketed one. The sweep stops at the first size that
-    is slower than a smaller one or over the slack (time falls, then rises, with bucket size: fewer
-    latencies against less overlap; the peak only grows). Deterministic: same graph, same choice."""
+    """Try bucket sizes (none, then 1, 2, 4, 8 and 16 times the largest parameter), finish each program and keep the one
+    the cost model predicts fastest among those whose predicted peak is within ``_peak_limit`` of the unbucketed one.
+    The sweep stops at the first size that is slower than a smaller one or over the slack (time falls, then rises, with
+    bucket size: fewer latencies against less overlap; the peak only grows). Deterministic: same graph, same choice."""
     if ctx.cost is None:
         raise ValueError("shard_bucket_bytes='auto' needs a cost model to estimate with (ShardContext.cost)")
     largest = max(collective_of(s).full_bytes for s in starts)

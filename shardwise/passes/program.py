@@ -40,16 +40,14 @@ class ShardContext:
     stage: str | None = None
     """Device to stage collective payloads on (``"cpu"`` for gloo ranks whose tensors are on a GPU)."""
     shard_bucket_bytes: int | str | None = 0
-    """Close zero all-gather/reduce-scatter buckets at this many bytes (passes/bucket.py); 0: one
-    collective per parameter; None: twice the largest parameter's; ``"auto"``: the size the cost model
-    predicts fastest among candidates whose predicted peak stays within ``bucket_peak_slack`` (or
-    ``bucket_peak_floor``) of none."""
+    """Close zero all-gather/reduce-scatter buckets at this many bytes (passes/bucket.py); 0: one collective per
+    parameter; None: twice the largest parameter's; ``"auto"``: the size the cost model predicts fastest among
+    candidates whose predicted peak stays within ``bucket_peak_slack`` (or ``bucket_peak_floor``) of none."""
     keep_gathered: frozenset = frozenset()
     """zero3 parameters whose forward all-gather is kept for the backward (selective unsharding):
     no backward all-gather, at the price of the whole weight living from forward to backward."""
     recompute: bool = False
-    """Recompute cheap elementwise forward results in the backward instead of keeping them
-    (passes/recompute.py)."""
+    """Recompute cheap elementwise forward results in the backward instead of keeping them (passes/recompute.py)."""
     graph_budget: int | None = None
     """Bytes the step graph may use on top of resident state (``memory_budget`` minus what the job
     holds); with it, zero3 keeps gathered as many parameters as fit (passes/unshard.py)."""
@@ -73,19 +71,16 @@ class ShardContext:
     model's megabyte is too little for any bucket, and each collective saved is a latency (about 0.2-1 ms
     on gloo). One MiB merges a tiny model's collectives into one per phase."""
     schedule: bool = True
-    """Reorder for latency hiding (passes/schedule.py); off keeps each collective where its pass put it
-    (each waited for right after it starts)."""
+    """Reorder for latency hiding (passes/schedule.py); off: each collective where its pass put it, waited at once."""
     max_in_flight: int | None = None
-    """Cap on bytes of collectives started and not yet waited for; None: swept with the cost model
-    (passes/pipeline.py), else twice the largest one."""
+    """Cap on bytes of collectives in flight; None: the cost model's pick (passes/pipeline.py) or twice the largest."""
     cap_sweep: bool = True
     """Let the cost model choose the in-flight cap (where ``max_in_flight`` is None). A memory budget's
     search turns it off while it compares plans and sweeps the plan it keeps."""
     peak_limit: int | None = None
     """An in-flight cap whose predicted graph peak is above this is not chosen (the budget's)."""
     sm_carveout: SMCarveout | None = None
-    """Matrix products predicted to run beside a collective leave SMs free for it
-    (passes/carveout.py ``SMCarveout``); None: every SM."""
+    """Matrix products beside a collective leave SMs free for it (passes/carveout.py ``SMCarveout``); None: every SM."""
     max_ops_in_flight: int | None = None
     """Cap on the number of collectives in flight; None: no cap. gloo needs 1: with two all-gathers
     of one gloo process group in flight, a rank sometimes waits forever for data its peers already
@@ -119,8 +114,7 @@ class Program:
     carved: int = 0
     """Matrix products run beside a collective with SMs left free for it (passes/carveout.py)."""
     carve_choice: tuple | None = None
-    """``matmul_sm_carveout="auto"``: (predicted step uncarved, carved, whether carved) by the SM
-    contention model."""
+    """``matmul_sm_carveout="auto"``: (predicted step uncarved, carved, whether carved) by the SM contention model."""
     resident_state: list | None = None
     """Under optimizer offload with a budget: parameters whose master and state stay on the device."""
     predicted_graph_peak: int | None = None

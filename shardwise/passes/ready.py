@@ -18,8 +18,7 @@ from .program import Program
 
 
 def insert(prog: Program, names: frozenset) -> int:
-    """Put a readiness wait before the first reader of each parameter input named in ``names``;
-    returns how many were put."""
+    """Put a readiness wait before the first reader of each parameter input in ``names``; returns how many were put."""
     g = prog.gm.graph
     phs = g.find_nodes(op="placeholder")[: prog.capture.n_params]
     pos = {n: i for i, n in enumerate(g.nodes)}

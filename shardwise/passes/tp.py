@@ -1,20 +1,19 @@
 """Tensor parallelism: the captured single-device step partitioned over the tp axis of the mesh.
 
-The plan seeds parameters' placements (``tp_plan``); propagation places every other value of the
-joint graph (sharding/propagate.py); this pass then makes the program each tp rank runs:
+The plan seeds parameters' placements (``tp_plan``); propagation places every other value of the joint graph
+(sharding/propagate.py); this pass then makes the program each tp rank runs:
 
-1. ``addmm`` becomes ``mm`` + ``add`` first, so that a row-parallel product's partial sum is reduced
-   before its bias is added once;
-2. each value a reader needs in another placement gets its collective on the tp group, right after
-   the value is made: P→R all-reduce, S→R all-gather, P→S reduce-scatter; R→S is this rank's slice,
-   taken with ``index_select`` on an input that holds this rank's indices (``Capture.rank_inputs``),
-   so that every rank runs the same code; R→P keeps the value on the first rank only (a bias added
-   to a partial sum), by the same input;
-3. every size an op was traced with (views, expands) becomes the local one, and the values are traced
-   again on local fake inputs.
+1. ``addmm`` becomes ``mm`` + ``add`` first, so that a row-parallel product's partial sum is reduced before its bias is
+   added once;
+2. each value a reader needs in another placement gets its collective on the tp group, right after the value is made:
+   P→R all-reduce, S→R all-gather, P→S reduce-scatter; R→S is this rank's slice, taken with ``index_select`` on an input
+   that holds this rank's indices (``Capture.rank_inputs``), so that every rank runs the same code; R→P keeps the value
+   on the first rank only (a bias added to a partial sum), by the same input;
+3. every size an op was traced with (views, expands) becomes the local one, and the values are traced again on local
+   fake inputs.
 
-The result is a Capture of the tp-local step, its parameters the tp shards, which the data-parallel
-strategy passes then shard as they would a single device's (ZeRO-3 shards the tp shard over dp).
+The result is a Capture of the tp-local step, its parameters the tp shards, which the data-parallel strategy passes then
+shard as they would a single device's (ZeRO-3 shards the tp shard over dp).
 """
 
 from __future__ import annotations
@@ -105,8 +104,8 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 
 def _merge_views(g: fx.Graph) -> None:
-    """One node for equal views of one value (a norm's output viewed alike for q, k and v): a gather
-    the view needs is then made once for all its readers."""
+    """One node for equal views of one value (a norm's output viewed alike for q, k and v): a gather it needs is made
+    once for all its readers."""
     seen: dict[tuple, fx.Node] = {}
 
     def key(a):
@@ -136,10 +135,9 @@ def _prepared(cap: Capture) -> tuple[fx.GraphModule, fx.Graph, list[fx.Node], di
 def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_parallel: bool = False,
               stage: str | None = None, allow_replicate: bool = False,
               gather: str = "activation") -> tuple[Capture, Propagation]:
-    """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group``
-    (with ``sequence_parallel``, the activations between the regions in sequence shards; ``gather``:
-    which operand a product of two shards gathers, sharding/propagate.py). Returns (its Capture, the
-    propagation it was made from)."""
+    """The tp-local step of ``cap`` under ``plan`` over ``ranks`` ranks of process group ``group`` (with
+    ``sequence_parallel``, the activations between the regions in sequence shards; ``gather``: which operand a product
+    of two shards gathers, sharding/propagate.py). Returns (its Capture, the propagation it was made from)."""
     gm, g, phs, params = _prepared(cap)
     by_name = seeds_of(cap, plan, ranks)
     seeds = {ph: by_name[name] for ph, name in params.items()}
@@ -156,8 +154,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
     device = next((p.meta["val"].device for p in phs if isinstance(p.meta.get("val"), torch.Tensor)), "cpu")
 
     def index_of(d_size: int, groups: int = 1) -> fx.Node:
-        """The input holding this rank's indices into a dim of ``d_size`` cut in ``groups`` blocks
-        (made once per size and cut)."""
+        """The input of this rank's indices into a dim of ``d_size`` cut in ``groups`` blocks (one per size and cut)."""
         if (d_size, groups) not in index_inputs:
             last = g.find_nodes(op="placeholder")[-1]
             with g.inserting_before(last.next):
@@ -249,8 +246,7 @@ def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None, reason="
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return _scatter(g, x, dst, ranks, group, phase, stage, reason)
     if isinstance(src, Replicate) and isinstance(dst, Partial):
-        # the value on the first rank, zeros on the others: this rank's index into a dim of ``ranks``
-        # entries is its rank
+        # the value on the first rank, zeros on the others: this rank's index into a dim of ``ranks`` entries: its rank
         first = emit.node(g, aten.eq.Scalar, (index_of(ranks), 0), emit.fake([1], torch.bool, v.device))
         first = emit.node(g, aten.view.default, (first, []), emit.fake([], torch.bool, v.device))
         return emit.node(g, aten.mul.Tensor, (x, first), emit.fake(list(v.shape), v.dtype, v.device))
@@ -331,9 +327,8 @@ def _contiguous(g, x):
 
 
 def _fused_blocks(mm: fx.Node) -> int:
-    """How many equal blocks a product's output is split into along its last dim, through its bias
-    and views that keep that dim (a fused q|k|v: 3), or 1: its weight is then cut in as many blocks,
-    so each rank holds its heads of each."""
+    """How many equal blocks a product's output is split into along its last dim, through its bias and views that keep
+    that dim (a fused q|k|v: 3), or 1: its weight is then cut in as many blocks, each rank holding its heads of each."""
     n = mm
     while len(n.users) == 1:
         (u,) = n.users
@@ -352,21 +347,18 @@ def _fused_blocks(mm: fx.Node) -> int:
 
 
 def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]:
-    """Megatron's pairs, found from the graph (module names play no part). A product of activations by
-    a weight starts a column-parallel region; the region grows through every forward op that is not a
-    reduction, a norm, a loss or a lookup and whose activation inputs all lie in it (RoPE's tables and
-    the weights are constants: any op may read them); a product whose activation operand lies in a
-    region is row-parallel, and ends it. The region's products' weights split along their output dim,
-    the row-parallel ones' along their input dim. Propagating the plan finds what would need a gather
-    between a pair's products: such a column stays whole (KV heads fewer than the ranks), and a pair
-    that needs one on every path, or at its row product, is left whole. A product whose output is
-    split in equal blocks (GPT-2's fused q|k|v) has its weight cut in as many blocks
-    (``Shard(d, groups=3)``), so each rank's piece holds its heads of q, of k and of v. Of the
-    products that end in no row-parallel one, the LM head (its output the log-softmax's classes, its
-    weight untied) is cut by classes (vocab-parallel, passes/tp_ops.py) where ``weigh(with, without)``
-    (the two plans; see ``head_choice``) keeps it so; the others stay whole. An untied embedding of
-    the batch's tokens (not positions) is cut by rows (vocab-parallel) where ``weigh`` keeps that so
-    (none without a ``weigh``)."""
+    """Megatron's pairs, found from the graph (module names play no part). A product of activations by a weight starts a
+    column-parallel region; the region grows through every forward op that is not a reduction, a norm, a loss or a
+    lookup and whose activation inputs all lie in it (RoPE's tables and the weights are constants: any op may read
+    them); a product whose activation operand lies in a region is row-parallel, and ends it. The region's products'
+    weights split along their output dim, the row-parallel ones' along their input dim. Propagating the plan finds what
+    would need a gather between a pair's products: such a column stays whole (KV heads fewer than the ranks), and a pair
+    that needs one on every path, or at its row product, is left whole. A product whose output is split in equal blocks
+    (GPT-2's fused q|k|v) has its weight cut in as many blocks (``Shard(d, groups=3)``), so each rank's piece holds its
+    heads of q, of k and of v. Of the products that end in no row-parallel one, the LM head (its output the
+    log-softmax's classes, its weight untied) is cut by classes (vocab-parallel, passes/tp_ops.py) where
+    ``weigh(with, without)`` (the two plans; see ``head_choice``) keeps it so; the others stay whole. An untied
+    embedding of the batch's tokens (not positions) is cut by rows (vocab-parallel) where a ``weigh`` keeps that so."""
     gm, g, phs, names = _prepared(cap)
     batch = set(phs[cap.n_params + len(cap.buffer_names):])
     fwd = forward_nodes(gm)
@@ -468,18 +460,16 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
 
 
 HEAD_TIE = 0.02
-"""A whole table predicted faster than the vocab-parallel one by less than this fraction of the step
-does not count as faster: the split one holds 1/tp of it and of its optimizer state (and, for the
-head, of the logits)."""
+"""A whole table predicted faster than the vocab-parallel one by less than this fraction of the step does not count as
+faster: the split one holds 1/tp of it and of its optimizer state (and, for the head, of the logits)."""
 
 
 def gather_choice(cap: Capture, plan: dict, cost, ranks: int, group: str, sequence_parallel: bool = False,
                   stage: str | None = None, allow_replicate: bool = False) -> tuple[str, Capture, dict | None]:
-    """Which operand the products of two shards gather, by the cost model: the step partitioned with
-    the activation gathered (Megatron's sequence parallelism) and with the operand whose move sends
-    fewer bytes; where their collectives differ, both are simulated and the second is taken only if
-    predicted faster by more than ``HEAD_TIE``. Returns (the policy, its tp-local step, the weighing
-    or None where both plans are one)."""
+    """Which operand the products of two shards gather, by the cost model: the step partitioned with the activation
+    gathered (Megatron's sequence parallelism) and with the operand whose move sends fewer bytes; where their
+    collectives differ, both are simulated and the second is taken only if predicted faster by more than ``HEAD_TIE``.
+    Returns (the policy, its tp-local step, the weighing or None where both plans are one)."""
     args = (cap, plan, ranks, group, sequence_parallel, stage, allow_replicate)
     local, prop = partition(*args)
     try:

@@ -34,11 +34,10 @@ def _too_big(peak: int, budget: int, strategy: str | None = None) -> BudgetError
 
 def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
         budget: int, strategy: str | None = None) -> tuple[ShardContext, Program, int]:
-    """The plan of ``ctx`` made to fit ``budget``: as it is if it fits; else with selective
-    recomputation (the activations it frees); else also keeping saved activations in host memory,
-    largest first, built and re-checked after each batch that covers the remaining excess;
-    BudgetError when all of them are not enough. Returns (the context that built it, the program,
-    its predicted peak)."""
+    """The plan of ``ctx`` made to fit ``budget``: as it is if it fits; else with selective recomputation (the
+    activations it frees); else also keeping saved activations in host memory, largest first, built and re-checked after
+    each batch that covers the remaining excess; else BudgetError. Returns (the context that built it, the program, its
+    predicted peak)."""
     from . import actoffload
 
     prog = build(ctx)
@@ -65,8 +64,7 @@ def fit(build: Callable[[ShardContext], Program], ctx: ShardContext,
 
 def plan(cap: Capture, ctx: ShardContext, mode: str,
          build: Callable[[ShardContext], Program]) -> tuple[ShardContext, Program]:
-    """The zero3 plan under ``ctx.graph_budget`` (module docstring); returns (the context that built
-    it, the program)."""
+    """The zero3 plan under ``ctx.graph_budget`` (module docstring): (the context that built it, the program)."""
     if ctx.cost is None:
         raise ValueError("a memory budget needs a cost model to estimate with (ShardContext.cost)")
     budget = ctx.graph_budget
@@ -83,10 +81,9 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
         if nbytes[name] <= headroom:
             keep.append(name)
             headroom -= nbytes[name]
-    # The predicted peak grows with the kept set, so the longest prefix of ``keep`` that fits is found by
-    # bisection (a prefix that does not fit gives back its latest, earliest-in-forward, parameters).
-    # Every plan tried is a full rewrite and a simulation, seconds on an 8B graph: log2 of them rather
-    # than one per parameter given back.
+    # The predicted peak grows with the kept set, so the longest prefix of ``keep`` that fits is found by bisection (a
+    # prefix that does not fit gives back its latest, earliest-in-forward, parameters). Every plan tried is a full
+    # rewrite and a simulation, seconds on an 8B graph: log2 of them rather than one per parameter given back.
     best, fits, best_peak = base, 0, peak  # the empty prefix is the base plan, which fits
     if keep:
         prog = build(dataclasses.replace(base_ctx, keep_gathered=frozenset(keep)))

@@ -1,25 +1,21 @@
 """Sharded checkpoints of a job through ``torch.distributed.checkpoint`` (DCP), no format of our own.
 
-``state_dict(job)`` describes what this rank holds as DTensors over the data-parallel axis of the
-job's ``DeviceMesh``: each parameter with its whole shape (``Shard(0)`` under zero1-3, ``Replicate()``
-under ddp) and each tensor of its optimizer state alike, plus the optimizer's hyperparameters and the
-job's step counter. Under a tp axis, and for a state held in host memory (offload), each tensor is
-``Pieces`` (below). DCP writes each rank's blocks with their global offsets, so a checkpoint loads on
-any mesh and under any strategy. A tp job before its first step holds its state whole on the tp axis
-(the tp plan comes from the first step's graph): it loads so, and ``Job._shard_tp`` cuts it at that
-step. A 0-dim parameter is stored as shape ``(1,)``, as the layouts hold it.
+``state_dict(job)`` describes what this rank holds as DTensors over the data-parallel axis of the job's ``DeviceMesh``:
+each parameter with its whole shape (``Shard(0)`` under zero1-3, ``Replicate()`` under ddp) and each tensor of its
+optimizer state alike, plus the optimizer's hyperparameters and the job's step counter. Under a tp axis, and for a state
+held in host memory (offload), each tensor is ``Pieces`` (below). DCP writes each rank's blocks with their global
+offsets, so a checkpoint loads on any mesh and under any strategy. A tp job before its first step holds its state whole
+on the tp axis (the tp plan comes from the first step's graph): it loads so, and ``Job._shard_tp`` cuts it at that step.
+A 0-dim parameter is stored as shape ``(1,)``, as the layouts hold it.
 
-``save(job, path)`` writes under a temporary name next to ``path`` and publishes it by rename once
-DCP's metadata is written (rank 0, after every rank's write), so a crash mid-save leaves the
-previous checkpoint at ``path`` as it was; ``load(job, path)`` checks that the checkpoint is
-complete and of this model before it reads a tensor. ``blocking=False`` saves through DCP's
-``async_save``: the step waits only while the state is copied to host memory, the files are written
-on a thread, and rank 0 publishes the checkpoint when they are complete.
+``save(job, path)`` writes under a temporary name next to ``path``, which rank 0 renames to ``path`` once every rank's
+files and DCP's metadata are written, so a crash mid-save leaves the previous checkpoint as it was; ``load(job, path)``
+checks that the checkpoint is complete and of this model before it reads a tensor. ``blocking=False`` saves through
+DCP's ``async_save``: the step waits only for the copy to host memory, the files are written on a thread.
 
-Beside the job's own state a checkpoint holds each rank's RNG states (torch, CUDA, Python, NumPy:
-restored when the loading job has as many ranks) and ``extra``: objects of the training loop (an
-LR scheduler, a data position), each a ``state_dict()``/``load_state_dict()`` object or a plain
-value, the same on every rank.
+Beside the job's own state a checkpoint holds each rank's RNG states (torch, CUDA, Python, NumPy: restored when the
+loading job has as many ranks) and ``extra``: objects of the training loop (an LR scheduler, a data position), each a
+``state_dict()``/``load_state_dict()`` object or a plain value, the same on every rank.
 """
 
 from __future__ import annotations
@@ -148,9 +144,8 @@ def _holdings(job, name: str, t: torch.Tensor) -> list[tuple[torch.Size, torch.T
 
 
 def _sharded(job, name: str, t: torch.Tensor):
-    """``t`` (held as parameter ``name`` is) as this rank's part of the whole tensor: a DTensor over
-    the dp axis, or ``Pieces`` under a tp axis or off the mesh's device (an offloaded state in host
-    memory, which a DTensor would copy to the device)."""
+    """``t`` (held as parameter ``name`` is) as this rank's part of the whole tensor: a DTensor over the dp axis, or
+    ``Pieces`` under a tp axis or off the mesh's device (offloaded state, which a DTensor would copy to the device)."""
     if job.state.tp is None and t.device.type == job.mesh.device.type:
         return _dtensor(job, name, t)
     return Pieces(_whole(job, name), _holdings(job, name, t))
@@ -488,8 +483,7 @@ class HostStager:
 
 
 def wait_staged(job) -> None:
-    """Before the state changes (the update; a forward that writes buffers): the last async save's
-    copy to host memory is complete."""
+    """Before the state changes (the update; a forward that writes buffers): the last async save's copy is done."""
     pending = getattr(job, "_pending_save", None)
     if pending is not None and pending.staged is not None:
         pending.staged.result()

@@ -109,8 +109,7 @@ class Executor:
         k = len(micro)
         n_grads = len(self.state.grad_names)
         if k > 1 and whole_grads:
-            # whole gradients summed locally (in place, in the graph); one reduction, in the last
-            # micro-batch's program
+            # whole gradients summed locally (in place, in the graph); one reduction, in the last micro-batch's program
             *sums, loss_sum = self.zeros_like_inputs(get(micro[0], "local"), n_grads + 1)
             for mb in micro[:-1]:
                 (loss_sum,) = self.run(get(mb, "local"), mb, [*sums, loss_sum])

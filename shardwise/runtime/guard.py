@@ -53,8 +53,7 @@ def _optimizer_hook(job):
 
 
 def install(job) -> None:
-    """Guard ``job.model`` and ``job.optimizer`` (again after the state is made anew: an optimizer
-    already guarded is left as it is)."""
+    """Guard ``job.model`` and ``job.optimizer`` (again after the state is made anew; a guarded optimizer stays so)."""
     if not getattr(job.model, "_shardwise_guarded", False):
         job.model.register_forward_pre_hook(_model_hook(job), with_kwargs=True)
         job.model._shardwise_guarded = True

@@ -26,9 +26,8 @@ def _entry(rank: int, nproc: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), SHARDWISE_BACKEND="gloo")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # torch read its thread count when this process imported it, before the line above: ranks that
-    # share the cores each take their share of them (two ranks of two threads on two cores spin
-    # against each other in gloo's collectives)
+    # torch read its thread count when this process imported it, before the line above: ranks that share the cores each
+    # take their share of them (two ranks of two threads on two cores spin against each other in gloo's collectives)
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

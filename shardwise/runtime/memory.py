@@ -43,13 +43,12 @@ def tracked_peak(fn: Callable[[], object], *external) -> tuple[object, int]:
 
 
 def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
-    """Run ``fn`` and follow the tensors held by inductor's generated ``call`` (its wrapper) line by line:
-    the most bytes of storages it made alive at once, where, and their sizes.
+    """Run ``fn`` and follow the tensors held by inductor's generated ``call`` (its wrapper) line by line: the most
+    bytes of storages it made alive at once, where, and their sizes.
 
-    On CPU inductor's wrapper allocates outside the dispatcher, unseen by MemTracker; its locals hold the
-    buffers, so a Python line tracer reads them (slow: small graphs). Storages passed in are not counted.
-    Returns {peak, line, file, blocks: [(bytes, local name)] live at the peak, largest first}; peak 0 and
-    no file when no inductor wrapper ran.
+    On CPU inductor's wrapper allocates outside the dispatcher, unseen by MemTracker; its locals hold the buffers, so a
+    Python line tracer reads them (slow: small graphs). Storages passed in are not counted. Returns {peak, line, file,
+    blocks: [(bytes, local name)] live at the peak, largest first}; peak 0 and no file when no inductor wrapper ran.
     """
     import sys
 
@@ -119,12 +118,11 @@ def _site(frames: list[dict]) -> str:
 def live_at_peak(trace: list[dict], baseline: int, top: int = 25) -> dict:
     """The allocator's live blocks at the peak of one recorded step, grouped by allocation site.
 
-    ``trace`` is one device's event list from ``torch.cuda.memory._snapshot()["device_traces"]``;
-    ``baseline`` the bytes requested and not yet freed when recording started
-    (``memory_stats()["requested_bytes.all.current"]``). A block counts from its ``alloc`` to its
-    ``free_requested``, in requested sizes, as ``requested_bytes`` counts it (``max_memory_allocated``
-    rounds them up to block sizes); blocks older than the recording are ``before``.
-    Returns {peak, before, sites: [(site, bytes, blocks)] largest first}.
+    ``trace`` is one device's event list from ``torch.cuda.memory._snapshot()["device_traces"]``; ``baseline`` the bytes
+    requested and not yet freed when recording started (``memory_stats()["requested_bytes.all.current"]``). A block
+    counts from its ``alloc`` to its ``free_requested``, in requested sizes, as ``requested_bytes`` counts it
+    (``max_memory_allocated`` rounds them up to block sizes); blocks older than the recording are ``before``. Returns
+    {peak, before, sites: [(site, bytes, blocks)] largest first}.
     """
     def replay(stop: int | None = None):
         """Walk the events (up to index ``stop``): (peak, its index, live blocks, bytes of older blocks)."""

@@ -27,10 +27,9 @@ INIT_TIMEOUT = 300.0
 
 
 def ensure_process_group(init_timeout: float = INIT_TIMEOUT) -> None:
-    """Join the job's process group: torchrun's environment if present, else a one-rank gloo group.
-    Ranks that do not all join within ``init_timeout`` seconds are a ``MeshError`` saying how many
-    joined and where; collectives keep torch's own (longer) timeout, as the job's watchdog holds
-    its steps to the job's ``timeout``."""
+    """Join the job's process group: torchrun's environment if present, else a one-rank gloo group. Ranks that do not
+    all join within ``init_timeout`` seconds are a ``MeshError`` saying how many joined and where; collectives keep
+    torch's own (longer) timeout, as the job's watchdog holds its steps to the job's ``timeout``."""
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

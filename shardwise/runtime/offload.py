@@ -1,24 +1,24 @@
 """Optimizer state in host memory, streamed through the device for the update.
 
-The master shards and per-parameter optimizer state live in host memory (pinned on CUDA). The step runs
-on the device chunk by chunk: chunk i+1 is copied in on one stream while chunk i is updated and chunk
-i-1 is copied back on a third, so both directions of the PCIe link and the update overlap. With overlap
-(CUDA) the step returns before the update ends; the next step's graph waits for each parameter where it
-first reads it (passes/ready.py). Each chunk's update is the user's own torch optimizer, its ``.data``
-and state pointed at the device copies for the call. The compute-dtype shard is refreshed on the device.
+The master shards and per-parameter optimizer state live in host memory (pinned on CUDA). The step runs on the device
+chunk by chunk: chunk i+1 is copied in on one stream while chunk i is updated and chunk i-1 is copied back on a third,
+so both directions of the PCIe link and the update overlap. With overlap (CUDA) the step returns before the update
+ends; the next step's graph waits for each parameter where it first reads it (passes/ready.py). Each chunk's update is
+the user's own torch optimizer, its ``.data`` and state pointed at the device copies for the call; the compute-dtype
+shard is refreshed on the device.
 
-A parameter bigger than a chunk is streamed in slices (Adam and AdamW: elementwise, state made up
-front as zeros, step count advanced once per step), so staging memory is ``window`` chunks whatever
-the largest parameter (a 128k-vocabulary embedding is 1.5 GB in fp32).
+A parameter bigger than a chunk is streamed in slices (Adam and AdamW: elementwise, state made up front as zeros, step
+count advanced once per step), so staging memory is ``window`` chunks whatever the largest parameter (a 128k-vocabulary
+embedding is 1.5 GB in fp32).
 
-Part of the offloaded state may be updated on the host instead (``set_host``, Adam and AdamW): only the
-gradient goes down and the new compute-dtype weights come up (4 bytes per element in bf16 instead of
-24 of fp32 master and moments), while a fused AdamW runs on a worker thread. ``plan_host`` picks the
-split (the larger of link time and measured host update time, minimised). Each parameter's weights are
-published as they arrive, in forward order, so the next forward waits only for what it reads next.
+Part of the offloaded state may be updated on the host instead (``set_host``, Adam and AdamW) by a fused AdamW on a
+worker thread: only the gradient goes down and the new compute-dtype weights come up (4 bytes per element in bf16, not
+24 of fp32 master and moments). ``plan_host`` picks the split (the larger of link time and measured host update time,
+minimised). Each parameter's weights are published as they arrive, in forward order, so the next forward waits only for
+what it reads next.
 
-On CPU the "host" is a separate buffer pool and the copies are plain copies: the same code path runs
-(and is tested for parity) without streams.
+On CPU the "host" is a separate buffer pool and the copies are plain copies: the same code path runs (and is tested for
+parity) without streams.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ from .ops import HostReadyWork, ReadyWork
 class StreamedOptimizer:
     """Runs ``optimizer.step()`` over host-resident parameters and state, a chunk at a time on ``device``.
 
-    ``resident`` names parameters whose master and state stay on the device (what the memory plan found
-    room for): updated in place, in chunks of the same size (bounding the update's temporaries). At most
-    ``window`` streamed chunks are on the device at once: chunk ``i + window`` is copied in after chunk
-    ``i``'s copy back. A chunk is a list of units ``(name, start, stop)``: flat element ranges of parameters.
-    """
+    ``resident`` names parameters whose master and state stay on the device (what the memory plan found room for):
+    updated in place, in chunks of the same size (bounding the update's temporaries). At most ``window`` streamed chunks
+    are on the device at once: chunk ``i + window`` is copied in after chunk ``i``'s copy back. A chunk is a list of
+    units ``(name, start, stop)``: flat element ranges of parameters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
                  compute: dict[str, torch.Tensor], device: torch.device, chunk_bytes: int = 64 * 2**20,
@@ -340,15 +339,13 @@ class StreamedOptimizer:
         return sum(self.params[n].numel() for n in self.host)
 
     def update_time(self, link) -> float:
-        """Predicted seconds of the update: the link moving ``transfer_bytes`` (both directions
-        overlapped) and the host stepping its part, side by side."""
+        """Predicted update seconds: the link moving ``transfer_bytes`` (both ways at once) beside the host's part."""
         host = self.host_elements() / self.host_rate if self.host and self.host_rate else 0.0
         return max(link.stream_time(*self.transfer_bytes()), host)
 
     def plan_host(self, link, rate: float | None = None, fraction: float | None = None) -> list[str]:
-        """Choose the host-updated parameters among the offloaded, last in forward order first (the next
-        forward reads them last): ``fraction`` of the offloaded state's bytes, else each parameter that
-        makes ``update_time`` smaller."""
+        """Choose the host-updated parameters among the offloaded, last in forward order first (the next forward
+        reads them last): ``fraction`` of the offloaded state's bytes, else each one that lowers ``update_time``."""
         take: list[str] = []
         cands = [n for n in self.params if n not in self.resident][::-1] if self.sliced else []
         if fraction is not None:

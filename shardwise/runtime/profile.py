@@ -114,11 +114,10 @@ def nccl_kind(name: str) -> str:
 
 
 def exposed_by_kernel(comm: list[tuple[float, float, str]], comp) -> tuple[dict[str, float], list[dict]]:
-    """Exposed time (µs, like the inputs) of each communication kernel ``(start, end, kind)`` against the
-    merged compute intervals ``comp``: summed per kind, and the five longest with their start from the
-    first kernel. Kernels in flight together each count their own exposed time, so the per-kind sums can
-    exceed the union's. A kernel listed more than once counts once (the profiler's event list held every
-    NCCL kernel twice on torch 2.11 with CUDA)."""
+    """Exposed time (µs, like the inputs) of each communication kernel ``(start, end, kind)`` against the merged compute
+    intervals ``comp``: summed per kind, and the five longest with their start from the first kernel. Kernels in flight
+    together each count their own exposed time, so the per-kind sums can exceed the union's. A kernel listed more than
+    once counts once (the profiler's event list held every NCCL kernel twice on torch 2.11 with CUDA)."""
     by: dict[str, float] = {}
     rows = []
     comm = sorted(set(comm))

@@ -163,9 +163,8 @@ class ShardedState:
     def sync_full_from_master(self, group: dist.ProcessGroup, ranks: int) -> int:
         """zero1/2: all-gather the updated master shards into the whole compute copies.
 
-        A parameter whose rows split evenly is gathered straight into its own storage (no
-        temporary); the small or padded rest go through one flat all-gather per dtype. Returns the
-        bytes this rank sent.
+        A parameter whose rows split evenly is gathered straight into its own storage (no temporary); the small or
+        padded rest go through one flat all-gather per dtype. Returns the bytes this rank sent.
         """
         if self.strategy not in ("zero1", "zero2"):
             return 0
@@ -211,9 +210,8 @@ class ShardedState:
         return (ranks + 1) * flat
 
     def full_state_dict(self, model: nn.Module, group: dist.ProcessGroup, ranks: int, keep: bool) -> dict[str, torch.Tensor]:
-        """The whole model's weights and persistent buffers, keyed as ``model.state_dict()``, on the CPU
-        (``{}`` where not ``keep``). A collective: parameters are gathered one at a time, so the whole
-        model is never on one device."""
+        """The whole model's weights and persistent buffers, keyed as ``model.state_dict()``, on the CPU (``{}``
+        where not ``keep``). A collective: gathered a parameter at a time, so the whole model is never on one device."""
         from torch.nn.utils.stateless import _reparametrize_module
 
         whole: dict[str, torch.Tensor] = {}
@@ -233,8 +231,7 @@ class ShardedState:
 
     @torch.no_grad()
     def gather_full(self, name: str, group: dist.ProcessGroup, ranks: int) -> torch.Tensor:
-        """The whole value of parameter ``name`` (collective: every rank must call it): its data-parallel
-        shards gathered, then its tensor-parallel ones."""
+        """The whole value of parameter ``name`` (a collective): its dp shards gathered, then its tp ones."""
         held = self.full[name] if self.strategy == "ddp" else self.master[name]
         local = self.dp_whole(name, held.detach(), group, ranks)
         return self.tp.gather(name, local) if self.tp is not None else local
@@ -264,60 +261,17 @@ class ShardedState:
             self.optimizer.state[p] = moved
 
 
-class TensorParallel:
-    """A job's model-parallel axis (tp, or ep) as the state sees it: each parameter's placement on it,
-    its ranks, this rank's coordinate, the axis's process group and its name (``label``)."""
-
-    def __init__(self, placements: dict, ranks: int, rank: int, group: dist.ProcessGroup, label: str = "tp"):
-        self.placements, self.ranks, self.rank, self.group, self.label = placements, ranks, rank, group, label
-
-    @property
-    def axes(self) -> list[TensorParallel]:
-        return [self]
-
-    def factor(self, name: str, d: int) -> int:
-        return self.ranks if self.dim(name) == d else 1
-
-    def along(self, name: str, whole: tuple) -> list[torch.Tensor | None]:
-        """Per dim of parameter ``name`` (``whole`` its whole shape), where this rank's entries lie in
-        the whole tensor (None: all of that dim)."""
-        return ParallelAxes([self]).along(name, whole)
-
-    def dim(self, name: str) -> int | None:
-        return getattr(self.placements.get(name), "dim", None)
-
-    def local(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        """This rank's tp shard of parameter ``name`` (``p`` whole), a parameter of its own."""
-        if self.dim(name) is None:
-            return p
-        return nn.Parameter(self.piece(name, p.detach()), requires_grad=p.requires_grad)
-
-    def piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's tp shard of ``whole``, a tensor shaped as parameter ``name`` (a new tensor)."""
-        d = self.dim(name)
-        return whole.clone() if d is None else self.placements[name].local(whole, self.rank, self.ranks).contiguous()
-
-    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        d = self.dim(name)
-        if d is None:
-            return local
-        moved = local.movedim(d, 0).contiguous()
-        pieces = _all_gather(moved, self.ranks, self.group).movedim(0, d)
-        return self.placements[name].whole(pieces, self.ranks)
-
-    def sharded(self, name: str) -> bool:
-        return self.dim(name) is not None
-
-
 class ParallelAxes:
-    """Several model-parallel axes (tp and ep) as one ``TensorParallel`` for the state: a parameter is
-    cut on any of them, in their order (an expert over ep by experts and over tp within each, an
+    """Several model-parallel axes (tp and ep) as one for the state (``TensorParallel`` is a single one): a
+    parameter is cut on any of them, in their order (an expert over ep by experts and over tp within each, an
     attention weight over tp and, under ZeRO, its tp shard's rows over ep)."""
 
     def __init__(self, axes: list[TensorParallel]):
         self.axes = axes
 
     def along(self, name: str, whole: tuple) -> list[torch.Tensor | None]:
+        """Per dim of parameter ``name`` (``whole`` its whole shape), where this rank's entries lie in
+        the whole tensor (None: all of that dim)."""
         at, sizes = [None] * len(whole), list(whole)
         for a in self.axes:
             d = a.dim(name)
@@ -347,10 +301,37 @@ class ParallelAxes:
         return any(a.sharded(name) for a in self.axes)
 
 
+class TensorParallel(ParallelAxes):
+    """A job's model-parallel axis (tp, or ep) as the state sees it, the one axis of its ``axes``: each
+    parameter's placement on it, its ranks, this rank's coordinate, its process group and name (``label``)."""
+
+    def __init__(self, placements: dict, ranks: int, rank: int, group: dist.ProcessGroup, label: str = "tp"):
+        self.placements, self.ranks, self.rank, self.group, self.label = placements, ranks, rank, group, label
+        self.axes = [self]
+
+    def dim(self, name: str) -> int | None:
+        return getattr(self.placements.get(name), "dim", None)
+
+    def piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's tp shard of ``whole``, a tensor shaped as parameter ``name`` (a new tensor)."""
+        d = self.dim(name)
+        return whole.clone() if d is None else self.placements[name].local(whole, self.rank, self.ranks).contiguous()
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        d = self.dim(name)
+        if d is None:
+            return local
+        moved = local.movedim(d, 0).contiguous()
+        pieces = _all_gather(moved, self.ranks, self.group).movedim(0, d)
+        return self.placements[name].whole(pieces, self.ranks)
+
+    def sharded(self, name: str) -> bool:
+        return self.dim(name) is not None
+
+
 def transplant(opt: torch.optim.Optimizer, old: dict[str, torch.Tensor], named: list) -> torch.optim.Optimizer:
-    """``opt``, built over the tensors ``old`` (by name) before its first step, over ``named``'s
-    tensors of the same names instead: its groups, hyperparameters and identity kept, so schedulers
-    and references to it hold."""
+    """``opt``, built over the tensors ``old`` (by name) before its first step, over ``named``'s tensors of the same
+    names instead: its groups, hyperparameters and identity kept, so schedulers and references to it hold."""
     if opt.state:
         raise RuntimeError("internal: the optimizer has state already; its tensors cannot be replaced")
     name_of = {id(t): n for n, t in old.items()}
@@ -397,10 +378,9 @@ FUSED_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 def fused_twin(opt: torch.optim.Optimizer, want: bool | None) -> torch.optim.Optimizer:
     """``opt`` rebuilt with torch's fused kernel (``fused=True``), or ``opt`` itself.
 
-    ``want``: None (auto) fuses a fresh Adam, AdamW or SGD whose tensors are all on CUDA and whose
-    ``foreach`` and ``fused`` were left unset (a user's choice is kept); True fuses or raises why it
-    cannot; False keeps ``opt``. Same groups and hyperparameters; only the kernel differs (fp32
-    rounding may differ in the last bit)."""
+    ``want``: None (auto) fuses a fresh Adam, AdamW or SGD whose tensors are all on CUDA and whose ``foreach`` and
+    ``fused`` were left unset (a user's choice is kept); True fuses or raises why it cannot; False keeps ``opt``. Same
+    groups and hyperparameters; only the kernel differs (fp32 rounding may differ in the last bit)."""
     if want is False or opt.defaults.get("fused"):
         return opt
     d = opt.defaults

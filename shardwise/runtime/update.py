@@ -145,9 +145,8 @@ class Updater:
                         _register_work(self.state.master[n], ReadyWork(ev))
 
     def predicted_s(self, bandwidth: float, host_link) -> float:
-        """The update's seconds: measured if a step ran ``timed``, else memory-bound passes over the
-        master bytes (costmodel/optimizer.py), and under offload at least the host link's time to move
-        the host-resident state both ways."""
+        """The update's seconds: measured if a step ran ``timed``, else memory-bound passes over the master bytes
+        (costmodel/optimizer.py), and under offload at least the host link's time for the host state both ways."""
         if self.last_s is not None:
             return self.last_s
         opt = self.state.optimizer

@@ -88,8 +88,7 @@ def info(target) -> OpInfo:
 
 
 def elementwise(n: fx.Node) -> bool:
-    """An ATen elementwise op (tagged pointwise, or a dtype cast): cheap to recompute, and what
-    inductor fuses into its consumers."""
+    """An ATen elementwise op (tagged pointwise, or a cast): cheap to recompute, fused by inductor into its readers."""
     t = n.target
     return n.op == "call_function" and (t is aten._to_copy.default or torch.Tag.pointwise in getattr(t, "tags", ()))
 

@@ -71,12 +71,11 @@ class Partial:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """A parameter of ``shape`` stored as padded ``Shard(0)`` over the ``ranks`` of a mesh axis (as
-    FSDP2 stores it).
+    """A parameter of ``shape`` stored as padded ``Shard(0)`` over the ``ranks`` of a mesh axis (as FSDP2 stores it).
 
-    Dim 0 is padded up to a multiple of ``ranks``; rank r holds rows ``[r*rows, (r+1)*rows)``. A 0-dim
-    parameter is treated as shape ``(1,)``. Padding rows are zeros and stay zero under elementwise
-    optimizers (zero gradient, zero state).
+    Dim 0 is padded up to a multiple of ``ranks``; rank r holds rows ``[r*rows, (r+1)*rows)``. A 0-dim parameter is
+    treated as shape ``(1,)``. Padding rows are zeros and stay zero under elementwise optimizers (zero gradient, zero
+    state).
     """
 
     shape: tuple[int, ...]

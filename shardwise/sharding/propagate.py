@@ -69,8 +69,7 @@ class Reshard:
 
 @dataclass
 class Propagation:
-    """Each node's placement on the axis (a tuple of them for an op of several outputs) and the
-    reshards the partitioner must insert."""
+    """Each node's placement on the axis (a tuple for an op of several outputs), and the reshards to insert."""
 
     ranks: int
     placements: dict = field(default_factory=dict)
@@ -112,13 +111,12 @@ def replicated(node: fx.Node, place, ranks: int):
 def propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None = None,
               names: dict | None = None, prefer: dict | None = None, allow_replicate: bool = False,
               gather: str = "activation") -> Propagation:
-    """Place every node of ``gm`` on an axis of ``ranks`` ranks from ``seeds`` (placeholder -> placement);
-    ``outputs``: the placement each graph output must have (None: as its producer leaves it); ``names``:
-    what errors call a placeholder (its parameter's name); ``prefer``: {shape: Shard} where a partial
-    value of that shape that a reader needs whole is reduce-scattered to the shard instead, if the
-    reader takes it so (sequence parallelism: the residual stream's gradients, by their shape);
-    ``allow_replicate``: an op without a rule reads its inputs whole (a warning names it) instead of
-    stopping with an error; ``gather``: which operand a product of operands sharded on different
+    """Place every node of ``gm`` on an axis of ``ranks`` ranks from ``seeds`` (placeholder -> placement); ``outputs``:
+    the placement each graph output must have (None: as its producer leaves it); ``names``: what errors call a
+    placeholder (its parameter's name); ``prefer``: {shape: Shard} where a partial value of that shape that a reader
+    needs whole is reduce-scattered to the shard instead, if the reader takes it so (sequence parallelism: the residual
+    stream's gradients, by their shape); ``allow_replicate``: an op without a rule reads its inputs whole (a warning
+    names it) instead of stopping with an error; ``gather``: which operand a product of operands sharded on different
     dims gathers (``GATHER``)."""
     if gather not in GATHER:
         raise ValueError(f"gather must be one of {GATHER}, got {gather!r}")

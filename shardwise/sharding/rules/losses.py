@@ -1,9 +1,8 @@
-"""Losses: the negative log-likelihood of rows of log-probabilities. Rows whole on every rank: the
-loss whole. Rows in shards (tokens under sequence parallelism) with whole classes: each rank's loss
-is a partial sum and the count of its targets is summed over the axis, which the partitioner does
-(passes/tp.py: a mean becomes this rank's sum over the whole count); the gradient keeps the rows' shard.
-Classes in shards (a vocab-parallel head) with whole targets: each rank picks the targets its
-classes hold, a partial sum; the gradient keeps the classes' shard."""
+"""Losses: the negative log-likelihood of rows of log-probabilities. Rows whole on every rank: the loss whole. Rows in
+shards (tokens under sequence parallelism) with whole classes: each rank's loss is a partial sum and the count of its
+targets is summed over the axis, which the partitioner does (passes/tp.py: a mean becomes this rank's sum over the whole
+count); the gradient keeps the rows' shard. Classes in shards (a vocab-parallel head) with whole targets: each rank
+picks the targets its classes hold, a partial sum; the gradient keeps the classes' shard."""
 
 from __future__ import annotations
 

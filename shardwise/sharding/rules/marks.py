@@ -1,7 +1,6 @@
-"""Marks: a value that must lie in a given placement, whatever its producer leaves it in (sequence
-parallelism marks the residual stream where it is made; the GSPMD ``mark_sharding``). A mark is an
-identity node (``mark(x, placement)``) that the partitioner removes once the reshard it asks for is in
-place; every reader of the value reads the marked one."""
+"""Marks: a value that must lie in a given placement, whatever its producer leaves it in (sequence parallelism marks the
+residual stream where it is made; the GSPMD ``mark_sharding``). A mark is an identity node (``mark(x, placement)``) that
+the partitioner removes once the reshard it asks for is in place; every reader of the value reads the marked one."""
 
 from __future__ import annotations
 

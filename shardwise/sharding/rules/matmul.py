@@ -1,10 +1,9 @@
 """Matrix products, as einsums: ``mk,kn->mn`` (mm), ``bmk,bkn->bmn`` (bmm).
 
-A dim that only one operand has (m, n) or both keep (the batch b) carries its shard to the output;
-the contracted dim k sharded on both operands gives partial sums (the row-parallel product). A
-replicated operand is sliced locally to match a shard of the other one on k. Column-parallel:
-``x @ W`` with W sharded on n. Row-parallel: ``x_k @ W_k`` gives a partial result, reduced once
-where its first nonlinear reader needs it whole."""
+A dim that only one operand has (m, n) or both keep (the batch b) carries its shard to the output; the contracted dim k
+sharded on both operands gives partial sums (the row-parallel product). A replicated operand is sliced locally to match
+a shard of the other one on k. Column-parallel: ``x @ W`` with W sharded on n. Row-parallel: ``x_k @ W_k`` gives a
+partial result, reduced once where its first nonlinear reader needs it whole."""
 
 from __future__ import annotations
 

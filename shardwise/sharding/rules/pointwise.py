@@ -1,14 +1,13 @@
 """Elementwise ops, with broadcasting: a shard passes through to the output dim it lines up with.
 
-Operands are aligned from the right, as broadcasting does. Every sharded operand must name the same
-output dim; a replicated operand that has that dim at full size is sliced to it locally (no
-communication), one that broadcasts along it (size 1) is read whole. A pending sum (Partial) passes
-through additions and subtractions of partials and through copies; anything else needs the sum
-taken first: where another operand is sharded, only this rank's shard of it (a reduce-scatter, as
-sequence parallelism has after each row-parallel product), else whole (an all-reduce). A smaller
-whole term added to a partial (a bias) is added on one rank only, and the sum stays partial. Products with replicated factors are linear too, but taking the sum
-before them is what keeps it to one: a gradient that reaches a norm's backward as partial sums
-would leave the norm's weight gradient partial as well (two reductions, not one)."""
+Operands are aligned from the right, as broadcasting does. Every sharded operand must name the same output dim; a
+replicated operand that has that dim at full size is sliced to it locally (no communication), one that broadcasts along
+it (size 1) is read whole. A pending sum (Partial) passes through additions and subtractions of partials and through
+copies; anything else needs the sum taken first: where another operand is sharded, only this rank's shard of it (a
+reduce-scatter, as sequence parallelism has after each row-parallel product), else whole (an all-reduce). A smaller
+whole term added to a partial (a bias) is added on one rank only, and the sum stays partial. Products with replicated
+factors are linear too, but taking the sum before them is what keeps it to one: a gradient that reaches a norm's
+backward as partial sums would leave the norm's weight gradient partial as well (two reductions, not one)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def pointwise_rule(node: fx.Node, place, ranks: int):
     partial = [a for a in ins if isinstance(place(a), Partial)]
     if partial:
         others = [a for a in ins if a not in partial]
-        # a sum of partials is partial (x + y with x partial and y replicated is not: y would be
-        # added once per rank)
+        # a sum of partials is partial (x + y with x partial and y replicated is not: y would be added once per rank)
         if node.target in _SUMS and not others or node.target in _COPIES:
             return {}, Partial()
         if node.target in _SUMS and all(place(a) == R and val(a).numel() < out.numel() for a in others) \

@@ -76,12 +76,11 @@ def reshape_map(src: tuple, dst: tuple, p: Shard, ranks: int) -> Shard | None:
     """What a shard ``p`` of ``src`` becomes in ``dst`` (a view of the same elements), or None where
     no shard can say it.
 
-    The shapes split into groups of dims of equal products (a merge, a split, or both). Within its
-    group, the shard cuts the flattened group into ``G`` equal blocks (its groups times the entries
-    of the group's dims before it), each into per-rank pieces; on the other side that is a shard of
-    the dim where the blocks fall whole: the dims before it hold a whole number of blocks, and it
-    holds whole blocks cut into whole pieces. ``[B, T, D]`` sharded on T, viewed ``[B*T, D]``, is
-    ``S(0)xB``; ``[.., 3*D]`` in 3 groups viewed ``[.., 3, H, hd]`` is a plain shard of H."""
+    The shapes split into groups of dims of equal products (a merge, a split, or both). Within its group, the shard cuts
+    the flattened group into ``G`` equal blocks (its groups times the entries of the group's dims before it), each into
+    per-rank pieces; on the other side that is a shard of the dim where the blocks fall whole: the dims before it hold a
+    whole number of blocks, and it holds whole blocks cut into whole pieces. ``[B, T, D]`` sharded on T, viewed
+    ``[B*T, D]``, is ``S(0)xB``; ``[.., 3*D]`` in 3 groups viewed ``[.., 3, H, hd]`` is a plain shard of H."""
     i = j = 0
     while i < len(src) and j < len(dst):
         gi, gj = [i], [j]
@@ -174,9 +173,8 @@ def indexed(node, place, ranks):
 
 
 def index_select(node, place, ranks):
-    """``x.index_select(d, idx)``: whole rows picked by a shard of the indices are that shard of the
-    rows (a dispatch's pairs, by token); a shard of another dim, or a partial ``x``, passes with whole
-    indices; else all whole."""
+    """``x.index_select(d, idx)``: whole rows picked by a shard of the indices are that shard of the rows (a dispatch's
+    pairs, by token); a shard of another dim, or a partial ``x``, passes with whole indices; else all whole."""
     x, idx = node.args[0], node.args[2]
     px, pi = place(x), place(idx)
     d = dim(node.args[1], val(x).dim())
@@ -188,11 +186,10 @@ def index_select(node, place, ranks):
 
 
 def index_add(node, place, ranks):
-    """``x.index_add(d, idx, src)`` (an index_select's gradient): a partial source with whole indices
-    adds into ``x`` partial too; a shard of another dim passes with whole indices; shards of the
-    indices and source rows are gathered, for the rows added into are read whole next (a dispatch
-    buffer's gradient, read by products of replicated weights: partial, it would be reduced later
-    as those products' larger values, the weights' gradients among them)."""
+    """``x.index_add(d, idx, src)`` (an index_select's gradient): a partial source with whole indices adds into ``x``
+    partial too; a shard of another dim passes with whole indices; shards of the indices and source rows are gathered,
+    for the rows added into are read whole next (a dispatch buffer's gradient, read by products of replicated weights:
+    partial, it would be reduced later as those products' larger values, the weights' gradients among them)."""
     x, idx, src = node.args[0], node.args[2], node.args[3]
     px, pi, ps = place(x), place(idx), place(src)
     d = dim(node.args[1], val(x).dim())
