@@ -3,6 +3,7 @@ them and back by all-to-all; parity with single-device training, the graph chang
 
 import harness
 import pytest
+import torch
 
 
 def _parity(pools, strategy, ep, ws, cf=2.0, steps=3, **kw):
@@ -178,6 +179,22 @@ def test_a_split_batch_overlaps_one_halfs_all_to_alls_with_the_others_compute(po
 
     # one row per layer either way, its two halves' collectives sending what the whole batch's did
     assert moe_rows(halves) == moe_rows(whole) and len(moe_rows(whole)) == 2, (moe_rows(whole), moe_rows(halves))
+
+
+def test_a_split_batch_counts_the_pairs_every_part_dropped(pools):
+    """ep_split=2 under capacity 1: each half is dispatched alone, and a layer's ``dropped`` is what its
+    two halves dropped together (as one device counts them running the halves one by one), not the
+    last half's alone."""
+    info = pools(2).run(harness.ep_run, "zero3", 1, 2, 1.0, ep_split=2)[0][2]
+    model = harness.make_model("moe", "fp64", capacity_factor=1.0)
+    x, _ = harness.make_batch("moe", 0, 0)
+    halves = []
+    with torch.no_grad():
+        for part in x.tensor_split(2):
+            model(part)
+            halves.append({f"blocks.{i}.ffn.dropped": int(b.ffn.dropped) for i, b in enumerate(model.blocks)})
+    assert all(h[k] > 0 for h in halves for k in h), halves  # each half drops: the last alone would miss some
+    assert info["dropped"] == {k: halves[0][k] + halves[1][k] for k in halves[0]}, (info["dropped"], halves)
 
 
 def test_an_ep_x_tp_checkpoint_resumes_on_ep_x_tp_and_on_ep(pools, tmp_path):

@@ -1,13 +1,11 @@
 """Trace the single-device training step (forward, loss, backward) whole, as one ATen FX graph.
 
-The graph's inputs are, in order: every parameter (full, deduplicated as ``named_parameters``
-yields them, so tied weights appear once), every buffer, then the leaves of the batch. Its
-outputs are ``[loss, *grads]`` with one gradient per trainable parameter. Tracing runs on fake
-tensors, so no parameter memory is touched.
+The graph's inputs are, in order: every parameter (full, deduplicated as ``named_parameters`` yields them, so tied
+weights appear once), every buffer, then the leaves of the batch. Its outputs are ``[loss, *grads]`` with one gradient
+per trainable parameter. Tracing runs on fake tensors, so no parameter memory is touched.
 
-Forward and ``autograd.grad`` run inside one reparametrization context: computing the gradient
-outside it gives wrong gradients, and ``torch.func.grad`` cannot trace through non-reentrant
-activation checkpointing.
+Forward and ``autograd.grad`` run inside one reparametrization context: computing the gradient outside it gives wrong
+gradients, and ``torch.func.grad`` cannot trace through non-reentrant activation checkpointing.
 """
 
 from __future__ import annotations
@@ -179,11 +177,10 @@ def _forwards(forwards: dict | None):
 
 
 def _traced(step, args, model: nn.Module) -> fx.GraphModule:
-    """``make_fx`` of the step. Where it fails on a construct that has a static-shape path of the
-    same math, it is traced again with that path: Hugging Face experts looping over experts (a
-    data-dependent ``nonzero``) through their ``grouped_mm`` implementation, grouped products in a
-    dtype their tracing rule refuses through ``_grouped_by_rows``, and counts of a fixed length
-    (``bincount`` with ``minlength``) as that length."""
+    """``make_fx`` of the step. Where it fails on a construct that has a static-shape path of the same math, it is
+    traced again with that path: Hugging Face experts looping over experts (a data-dependent ``nonzero``) through their
+    ``grouped_mm`` implementation, grouped products in a dtype their tracing rule refuses through ``_grouped_by_rows``,
+    and counts of a fixed length (``bincount`` with ``minlength``) as that length."""
     try:
         with _quiet_meta_failures():  # the error is raised (and named) by the caller, once
             return make_fx(step, tracing_mode="real")(*args)
@@ -200,9 +197,8 @@ def _traced(step, args, model: nn.Module) -> fx.GraphModule:
 
 @contextlib.contextmanager
 def _counts_of_fixed_size():
-    """``torch.bincount(x, minlength=n)`` (1-d, no weights) as ``n`` counts by ``scatter_add`` while the
-    step is traced (Mixtral's load-balancing loss in transformers 5.17): a value past ``n`` is an index
-    error, not a longer result."""
+    """``torch.bincount(x, minlength=n)`` (1-d, no weights) as ``n`` counts by ``scatter_add`` while the step is traced
+    (Mixtral's load-balancing loss in transformers 5.17): a value past ``n`` is an index error, not a longer result."""
     real = torch.bincount
 
     def bincount(x, weights=None, minlength=0):
@@ -253,11 +249,10 @@ def _hf_experts_as(mods: list[nn.Module], impl: str):
 
 
 def _grouped_by_rows(mat_a, mat_b, offs):
-    """``grouped_mm(mat_a, mat_b, offs=offs)`` for a 2-d ``mat_a`` ([rows, k], rows grouped in order,
-    group ``g`` ending at ``offs[g]``) and a 3-d ``mat_b`` ([groups, k, n]), in plain ops with static
-    shapes: every group's product on every row, each row keeping its own group's (the other terms are
-    exact zeros). ``groups`` times the FLOPs: the reference path where the kernel's tracing rule
-    refuses the dtype or device (its meta kernel takes bf16 only)."""
+    """``grouped_mm(mat_a, mat_b, offs=offs)`` for a 2-d ``mat_a`` ([rows, k], rows grouped in order, group ``g`` ending
+    at ``offs[g]``) and a 3-d ``mat_b`` ([groups, k, n]), in plain ops with static shapes: every group's product on
+    every row, each row keeping its own group's (the other terms are exact zeros). ``groups`` times the FLOPs: the
+    reference path where the kernel's tracing rule refuses the dtype or device (its meta kernel takes bf16 only)."""
     rows = torch.arange(mat_a.shape[0], device=mat_a.device)
     group = torch.searchsorted(offs.to(torch.int64), rows, right=True)
     out = None
@@ -355,6 +350,8 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
         raise CaptureError(f"a batch split in {split} needs a batch dim (dim 0 of its tensors) that {split} divides, "
                            f"got {rows}: use a batch of a multiple of {split} rows, or no split")
 
+    dropped = [n for n in bnames if split > 1 and n.rpartition(".")[2] == "dropped"]  # models/moe.py, passes/ep.py
+
     def parts(b):
         if split == 1:
             return [b]
@@ -368,8 +365,12 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
         b = pytree.tree_unflatten(leaves, spec)
         state = {**dict(zip(pnames, p_in)), **dict(zip(bnames, b_in))}
         with _reparametrize_module(model, state, tie_weights=True), tracing(), _forwards(forwards):
-            losses = [extract_loss(call_model(model, select_inputs(part, model_inputs)), part, loss_fn)
-                      for part in parts(b)]
+            losses, counts = [], []  # a split batch: each part's ``dropped`` counts, their sum the batch's
+            for part in parts(b):
+                losses.append(extract_loss(call_model(model, select_inputs(part, model_inputs)), part, loss_fn))
+                counts.append([model.get_buffer(n).clone() for n in dropped])
+            for i, n in enumerate(dropped):
+                model.get_buffer(n).copy_(sum(c[i] for c in counts))
             loss = losses[0] if split == 1 else sum(losses) / split
             if not with_grads:
                 return [loss]
@@ -427,10 +428,9 @@ def placeholder_names(cap: Capture) -> list[str]:
 
 
 def check_no_input_mutation(cap: Capture) -> None:
-    """In-place writes to a parameter or batch tensor would not be replayed per shard: refuse them.
-    A buffer written in place (BatchNorm's running statistics) is the model's own state: the op
-    writes into the job's buffer as the program runs, as it would in eager training, and the buffer
-    is recorded in ``cap.written_buffers``."""
+    """In-place writes to a parameter or batch tensor would not be replayed per shard: refuse them. A buffer written in
+    place (BatchNorm's running statistics) is the model's own state: the op writes into the job's buffer as the program
+    runs, as it would in eager training, and the buffer is recorded in ``cap.written_buffers``."""
     phs = cap.gm.graph.find_nodes(op="placeholder")
     names = dict(zip(phs, placeholder_names(cap)))
     buffers = set(phs[cap.n_params:cap.n_params + len(cap.buffer_names)])
