@@ -399,7 +399,10 @@ def _plan_parser(sub) -> None:
                    help="memory layout: Megatron's (16-bit weights and gradient buffers, fp32 master; default), "
                         "PyTorch's (FSDP2, DDP, shardwise: fp32 weights, gradients freed between steps), or "
                         "PyTorch's under torch.autocast")
-    p.add_argument("--foreach", action="store_true", help="torch's multi-tensor AdamW: an fp32 temporary at its step")
+    p.add_argument("--foreach", action="store_true",
+                   help="torch's multi-tensor AdamW: about 20 passes over the fp32 state (fused: 7), an fp32 temporary")
+    p.add_argument("--framework", choices=["fsdp2"], default=None,
+                   help="count the data-parallel runtime's own kernels: FSDP2's copy-in and copy-out, by bytes")
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
     p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
                    help="share of tp communication exposed (0: overlapped; default: all on GPUs, the dp share on TPUs)")
@@ -462,7 +465,7 @@ def plan_main(args) -> None:
                       capacity=args.capacity, fused_attention=not args.unfused_attention,
                       tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed, rank_order=args.rank_order,
                       reduce_fp32=args.reduce_fp32, cp=args.cp, eager=args.eager,
-                      stack=args.stack, foreach=args.foreach)
+                      stack=args.stack, foreach=args.foreach, framework=args.framework)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:

@@ -1,10 +1,10 @@
 """The one device table: datasheet peaks, the rates measured on our machines, the planner's fitted shares.
 
-Two views of one device read from it. The compiler's roofline times each node at ``flops`` (the
-matrix-product rate: measured where we have the device) and ``bandwidth`` (the measured copy rate).
-The planner times a whole step at the datasheet ``peak_flops`` times its fitted share
-(``efficiency``), the memory-bound kernels at ``mem_eff`` of ``hbm_bw``; MFU is quoted against
-``peak_flops``, as the literature does.
+Two views of one device read from it. The compiler's roofline times each node at ``flops`` (the matrix-product rate:
+measured where we have the device) and ``bandwidth`` (the measured copy rate). The planner times a whole step's
+products at the datasheet ``peak_flops`` times its fitted share (``efficiency``), or, where we measured the device's
+products and attention by shape (the H200), at a fitted share of those rates (``product_rate``, ``attention_rate``); the
+memory-bound kernels at ``mem_eff`` of ``hbm_bw``. MFU is quoted against ``peak_flops``, as the literature does.
 """
 
 from __future__ import annotations
@@ -13,11 +13,44 @@ from dataclasses import dataclass
 
 from .hostlink import HostLink
 
-HOPPER_EFF_MAX = 0.546
-"""H100/H200: the matrix products' share of peak in a whole step, fitted on one run only: plain
-torch.compile of the 1.1B Llama shape on one H200, batch 4x2048, bf16, 0.1257 s/step
-(bench/results/2026-11-29-h200-llama1b-ws1.json). With the A100's share that run was predicted 18%
-fast. Every other Hopper row of the planner's validation is blind."""
+H200_EFF_MAX = 0.859
+"""H200: the share of its measured product and attention rates (``HOPPER_PRODUCTS``, ``HOPPER_ATTENTION``) a whole
+step holds, fitted on one run only: plain torch.compile of the 1.1B Llama shape on one H200, batch 4x2048, bf16,
+multi-tensor AdamW, 0.1257 s/step (bench/results/2026-11-29-h200-llama1b-ws1.json). Every other H200 row of the
+planner's validation is blind (bench/results/2026-12-05-plan-measured-rates.md)."""
+H100_EFF_MAX = 0.546
+"""H100: one share of the datasheet peak for a whole step, the same run's under the model without measured rates. The
+H100 rows we validate on ran 2023-24 software (torchtitan, MosaicML, MaxText), against which the 2026 H200's rates
+predict them 5-15% fast: an H100 table waits for an H100 run of ours."""
+
+HOPPER_PRODUCTS = {  # model width: {tp: TFLOP/s at 2048, 4096, 8192 and 16384 tokens per micro-batch}
+    2048: {1: (757, 772, 754, 691), 2: (592, 652, 717, 695), 4: (529, 603, 683, 739), 8: (408, 550, 643, 711)},
+    4096: {1: (744, 696, 684, 662), 2: (621, 661, 677, 681), 4: (598, 673, 706, 659), 8: (516, 631, 691, 656)},
+    5120: {1: (662, 651, 674, 673), 2: (636, 669, 665, 673), 4: (597, 696, 664, 653), 8: (541, 689, 724, 680)},
+    8192: {1: (671, 676, 668, 670), 2: (659, 674, 666, 668), 4: (640, 683, 664, 670), 8: (622, 679, 662, 662)},
+    12288: {1: (668, 673, 677, 677), 2: (666, 673, 675, 678), 4: (669, 672, 673, 674), 8: (654, 680, 668, 673)},
+    16384: {1: (668, 664, 668, 673), 2: (668, 663, 668, 670), 4: (664, 669, 669, 673), 8: (653, 661, 670, 670)}}
+"""One H200's bf16 ``torch.mm`` rate over a Llama-style layer's twelve products (forward, input and weight gradients of
+QKV, output, gate+up, down) on one tensor-parallel rank, TFLOP/s (bench/results/2026-12-02-h200-gemm-shapes.md)."""
+HOPPER_ATTENTION = {2048: 393, 4096: 483, 8192: 537}
+"""Causal flash attention (SDPA, forward + backward, head dim 128) on one H200 by sequence, TFLOP/s executed (the
+causal half), the mean over 16, 32 and 64 heads (the same file)."""
+PEAK_REF = 989e12
+"""The datasheet peak of the H200 the tables were measured on: a device of another peak scales them by its own."""
+
+
+def _log_interp(x: float, xs, ys) -> float:
+    """``ys`` at ``x`` on the log2 scale of ``xs`` (ascending), held flat beyond the ends."""
+    import math
+
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            f = math.log2(x / x0) / math.log2(x1 / x0)
+            return y0 + f * (y1 - y0)
+    return ys[-1]
+
 
 # PCIe 5.0 x16 as measured from one H200 (costmodel.hostlink.measure, 512 MiB pinned copies,
 # 2026-11-29): 54.8 GB/s in, 54.3 GB/s out, 88.2 GB/s both at once
@@ -43,12 +76,11 @@ class Device:
     """Datasheet memory bandwidth, bytes/s."""
     eff_max: float = 0.683
     """The matrix products' achieved share of ``peak_flops`` in a whole step (the planner's), as
-    ``eff_max · x / (x + eff_x0)`` with ``x`` = hidden size / tensor-parallel size. The A100's is
-    fitted on two runs of Korthikanti et al. 2022 (the 22B and 175B models with selective
-    recomputation, Table 5); with the memory-bound kernels counted on their own (``mem_eff``) the fit
-    wants no dependence on the width (``eff_x0`` = 0). H100 and H200 have theirs fitted on one run of
-    ours (``HOPPER_EFF_MAX``), TPU v5p and v5e on one of MaxText's each; the other TPUs use the
-    A100's until runs of theirs are fitted."""
+    ``eff_max · x / (x + eff_x0)`` with ``x`` = hidden size / tensor-parallel size. The A100's is fitted on two runs of
+    Korthikanti et al. 2022 (the 22B and 175B models with selective recomputation, Table 5); with the memory-bound
+    kernels counted on their own (``mem_eff``) the fit wants no dependence on the width (``eff_x0`` = 0). The H100's
+    is fitted on one run of ours (``H100_EFF_MAX``), TPU v5p and v5e on one of MaxText's each; the other TPUs use the
+    A100's until runs of theirs are fitted. Where ``products`` is set (the H200), the share of those measured rates."""
     eff_x0: float = 0.0
     mem_eff: float = 0.8
     """Share of ``hbm_bw`` the memory-bound kernels reach in the planner (an assumption, not fitted)."""
@@ -58,11 +90,38 @@ class Device:
     """The name the planner prints (e.g. "H200 SXM")."""
     match: tuple[str, ...] = ()
     """Substrings of ``torch.cuda.get_device_name`` (lower case) that mean this device."""
+    products: dict | None = None
+    """Measured product rates by model width, tp and tokens (``HOPPER_PRODUCTS``); None: ``efficiency``'s share of the
+    peak. Where set, ``eff_max`` is the share of these rates (and of ``attention``'s) a whole step holds."""
+    attention: dict | None = None
+    """Measured causal flash attention rates by sequence (``HOPPER_ATTENTION``)."""
     tdp: float | None = None
     """Board power at which the fitted shares hold, watts (a power-capped part: planner clusters' ``@W``)."""
 
     def efficiency(self, width: float) -> float:
         return self.eff_max * width / (width + self.eff_x0)
+
+    def product_rate(self, width: int, tp: int, tokens: float) -> float:
+        """FLOP/s a whole step holds on the matrix products of a model ``width`` wide cut ``tp`` ways, ``tokens`` per
+        micro-batch: ``eff_max`` of the measured rate of the nearest width and tp (``products``), else of the peak."""
+        import math
+
+        if self.products is None:
+            return self.peak_flops * self.efficiency(width / tp)
+        w = min(self.products, key=lambda k: abs(math.log2(k / width)))
+        t = min(self.products[w], key=lambda k: abs(math.log2(k / tp)))
+        return _log_interp(tokens, (2048, 4096, 8192, 16384), self.products[w][t]) * self.scale()
+
+    def attention_rate(self, seq: int) -> float | None:
+        """FLOP/s (executed) a whole step holds on causal flash attention over sequences of ``seq`` tokens; None where
+        not measured (the planner then counts attention among the products)."""
+        if self.attention is None:
+            return None
+        xs = sorted(self.attention)
+        return _log_interp(seq, xs, [self.attention[x] for x in xs]) * self.scale()
+
+    def scale(self) -> float:  # a measured table's TFLOP/s to this device's FLOP/s in a whole step
+        return 1e12 * self.eff_max * self.peak_flops / PEAK_REF
 
 
 def _datasheet(name, label, peak, hbm_bytes, hbm_bw, eff_max=0.683, **kw) -> Device:
@@ -72,12 +131,12 @@ def _datasheet(name, label, peak, hbm_bytes, hbm_bw, eff_max=0.683, **kw) -> Dev
 
 DEVICES = {
     # measured on this workplace's H200s (DESIGN.md reference figures): 790 TFLOP/s bf16 GEMM, 4.3 TB/s copy
-    "h200": Device("h200", 790e12, 4.3e12, 989e12, 141e9, 4.8e12, eff_max=HOPPER_EFF_MAX, host=PCIE5,
-                   label="H200 SXM", match=("h200",), tdp=700.0),
+    "h200": Device("h200", 790e12, 4.3e12, 989e12, 141e9, 4.8e12, eff_max=H200_EFF_MAX, host=PCIE5,
+                   products=HOPPER_PRODUCTS, attention=HOPPER_ATTENTION, label="H200 SXM", match=("h200",), tdp=700.0),
     # about 0.7 of the datasheet's 989 TFLOP/s, 3.35 TB/s
-    "h100": Device("h100", 700e12, 3.0e12, 989e12, 80e9, 3.35e12, eff_max=HOPPER_EFF_MAX, label="H100 SXM",
+    "h100": Device("h100", 700e12, 3.0e12, 989e12, 80e9, 3.35e12, eff_max=H100_EFF_MAX, label="H100 SXM",
                    match=("h100",), tdp=700.0),
-    "h100-pcie": _datasheet("h100-pcie", "H100 PCIe", 756e12, 80e9, 2.0e12, eff_max=HOPPER_EFF_MAX),
+    "h100-pcie": _datasheet("h100-pcie", "H100 PCIe", 756e12, 80e9, 2.0e12, eff_max=H100_EFF_MAX),
     "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",),
                    tdp=400.0),
     # TPUs (Cloud TPU documentation, jax-ml/scaling-book). v5p's share is fitted on one run: MaxText's 32B

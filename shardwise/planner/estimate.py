@@ -6,8 +6,11 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 - compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward under
   full recomputation, all of it but each dense layer's down projection under block, the attention core
   under selective) over the GPUs, at the accelerator's fitted share of the datasheet peak
-  (costmodel.Device.efficiency), plus the memory-bound kernels' bytes (norms, activations, residual
-  adds, unfused attention scores: models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth;
+  (costmodel.Device.efficiency) or, where its products and flash attention were measured by shape (the
+  H200), at a fitted share of those rates (the products' at the layer's width, tp and tokens per
+  micro-batch; attention's at the sequence, on the FLOPs it executes), plus the memory-bound kernels'
+  bytes (norms, activations, residual adds, unfused attention scores: models.ModelSpec.elementwise_bytes)
+  at its share of HBM bandwidth, and the framework's own kernels (FSDP2's copy-in and copy-out);
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
   forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
   same bytes), two more under full recomputation (block: one, 1.5 with sequence parallelism, where
@@ -20,7 +23,8 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
   (``dp_exposed``), and all of what outlasts that compute; ZeRO-3 without a pipeline layer by layer
   on the two-lane simulation instead (timeline.py: each layer's gathers and reduction, one layer of
   prefetch, what the compute lane waits);
-- optimizer: memory-bound AdamW over this GPU's shard.
+- optimizer: memory-bound AdamW over this GPU's shard at the memory-bound kernels' share of HBM
+  bandwidth, 7 passes over its fp32 bytes fused, 20 multi-tensor (as measured: bench/planner/update_sweep.py).
 
 Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 bytes per parameter,
 the ZeRO paper's mixed-precision figure), divided as the ZeRO stage says; activations per layer
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..costmodel.optimizer import update_time
+from ..costmodel.optimizer import PASSES, update_time
 from .clusters import ClusterSpec
 from .models import EAGER_BYTES, TORCH_ACTIVATIONS, ModelSpec
 from .timeline import LayerCosts, zero3_step
@@ -49,6 +53,7 @@ from .timeline import LayerCosts, zero3_step
 RECOMPUTE = ("none", "selective", "selective-op", "block", "full")
 RANK_ORDERS = ("tp-pp-dp", "tp-ep-dp-pp")
 STACKS = ("megatron", "torch", "torch-autocast")
+FRAMEWORKS = (None, "fsdp2")
 DP_EXPOSED = 0.1
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 
@@ -121,10 +126,17 @@ class Strategy:
     and the optimizer step); ``torch-autocast`` (the same with torch.autocast over fp32 weights: the
     copies of every weight kept from forward to backward, an fp32 residual stream). Memory only."""
     foreach: bool = False
-    """PyTorch's default multi-tensor AdamW: its step makes an fp32 temporary the size of the state it
-    updates (the square root of the second moment); the fused kernel makes none. Memory only."""
+    """PyTorch's default multi-tensor AdamW in place of a fused kernel: its step passes over the fp32
+    state about 20 times instead of 7 (costmodel/optimizer.py) and makes an fp32 temporary the size of
+    the state it updates (the square root of the second moment)."""
+    framework: str | None = None
+    """Whose data-parallel runtime, where it costs time of its own (``FRAMEWORKS``): ``fsdp2`` copies
+    each gathered weight out of the all-gather's buffer and each gradient into the reduce-scatter's
+    (its copy-in/copy-out kernels, by bytes). None: none counted (Megatron, MaxText, shardwise)."""
 
     def __post_init__(self):
+        if self.framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {', '.join(map(str, FRAMEWORKS))}, got {self.framework!r}")
         if self.stack not in STACKS:
             raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
         if self.rank_order not in RANK_ORDERS:
@@ -222,6 +234,25 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         pad = 6.0 * L * model.top_k * expert_matmul * (st.capacity - 1.0) * (4.0 / 3.0 if layer_rerun else 1.0)
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
+    attn_rate = acc.attention_rate(seq) if st.efficiency is None and st.fused_attention else None
+    rated: list[str] = []
+    if st.efficiency is None and acc.products is not None:
+        # measured rates: the products at their shape's (width, tp, tokens per micro-batch), flash attention at its
+        # sequence's, on the FLOPs it executes (the causal half: 7·d·T a token and layer of PaLM's 12, and half of
+        # a rerun forward's 4)
+        attn = 12.0 * L * model.q_dim * (min(seq, model.window) if model.window else seq)
+        attn_rerun = {"selective": 4.0 * L * model.q_dim * seq, "block": 4.0 * L * model.q_dim * seq,
+                      "full": attn / 3.0}.get(st.recompute, 0.0)
+        products = fpt + extra + pad - (attn + attn_rerun if attn_rate else 0.0)
+        executed = 7.0 / 12.0 * attn + attn_rerun / 2.0 if attn_rate else 0.0
+        prate = acc.product_rate(h, st.tp, b * lseq)
+        matmul = tokens / gpus * (products / prate + (executed / attn_rate if attn_rate else 0.0))
+        eff = tokens * (fpt + extra + pad) / gpus / matmul / acc.peak_flops  # the share of peak it comes to
+        rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s ({acc.eff_max} of the rate measured at width "
+                 f"{h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)" + (f", flash attention at {attn_rate / 1e12:.0f} "
+                                                                           "(executed FLOPs)" if attn_rate else "")
+                 + f": {eff:.3f} of peak", f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate"
+                 + (f" + attention {executed:.4g} executed / rate" if attn_rate else "") + f") = {matmul:.4g} s"]
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
     # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
     ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity, st.eager)
@@ -276,6 +307,15 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     def group(n):  # the sharding group of a data-parallel axis of n ranks
         return n if st.shard is None else min(st.shard, n)
 
+    # the framework's own kernels on the compute lane: FSDP2 per micro-batch copies each gathered 16-bit
+    # weight out of the all-gather's buffer (read and write: 4 B), casts this rank's fp32 shard into it
+    # (6 B over the group) and copies each 16-bit gradient into the reduce-scatter's buffer (2 + gbytes)
+    framework = 0.0
+    if st.framework == "fsdp2" and st.zero >= 1:
+        gathers = 2 if st.zero == 3 else 1  # ZeRO-3 gathers again for the backward
+        framework = m * shard_params * (gathers * (4.0 + 6.0 / group(sdp)) + 2.0 + gbytes) / (acc.hbm_bw * acc.mem_eff)
+        compute += framework
+
     def across(params, n, stride):  # hybrid sharding: a gradient shard all-reduced with its replicas
         s = group(n)
         return cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s) if n > s and params else 0.0
@@ -322,7 +362,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # read master, gradient and two moments, write three: 28 bytes a parameter)
     z = lambda stage, n: group(n) if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
     opt_params = dense_params / z(1, sdp) + expert_params / z(1, sdp // st.ep)
-    optimizer = update_time(4.0 * opt_params, acc.hbm_bw)
+    optimizer = update_time(4.0 * opt_params, acc.hbm_bw * acc.mem_eff, kernel="foreach" if st.foreach else "fused")
 
     step = compute + stalls + bubble + dp_exposed + optimizer
 
@@ -367,15 +407,18 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     tps = tokens / step
     formulas = [
         f"flops/token = 6·(active matmul weights) + 12·L·d·T = {g(fpt)} (+ recompute {st.recompute}: {g(extra)})",
-        "efficiency = " + ("given" if st.efficiency is not None else "the accelerator's fitted share" if not acc.eff_x0
-                           else f"{acc.eff_max}·x/(x+{acc.eff_x0}), x = d/tp = {h / st.tp:g}") + f" = {eff:.3f}",
-        f"matmul = tokens·flops/token / (gpus·peak·eff) = {g(tokens)}·{g(fpt + extra)} / ({gpus}·{g(acc.peak_flops)}·"
-        f"{eff:.3f}) = {g(matmul)} s",
+        *(rated or [
+            "efficiency = " + ("given" if st.efficiency is not None else "the accelerator's fitted share"
+                               if not acc.eff_x0 else f"{acc.eff_max}·x/(x+{acc.eff_x0}), x = d/tp = {h / st.tp:g}")
+            + f" = {eff:.3f}",
+            f"matmul = tokens·flops/token / (gpus·peak·eff) = {g(tokens)}·{g(fpt + extra)} / ({gpus}·"
+            f"{g(acc.peak_flops)}·{eff:.3f}) = {g(matmul)} s"]),
         f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer"
         + (f" (eager: its norms and rotary embedding unfused, +{EAGER_BYTES:g}·d a forward)"
            if st.eager and not model.learned_positions else "")
         + f" / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
-        f"= {g(elementwise)} s; compute = {g(compute)} s",
+        f"= {g(elementwise)} s" + (f"; FSDP2's copy-in and copy-out kernels {g(framework)} s" if framework else "")
+        + f"; compute = {g(compute)} s",
         f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
@@ -385,7 +428,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         + f") = {g(dp_comm)} s, exposed max({floor:.0%}, what outlasts the {g(window)} s it overlaps)"
         + (f" + the all-reduce across the groups after the backward {g(late)} s" if late else "")
         + f" = {g(dp_exposed)} s"),
-        f"optimizer = 28 B x {g(opt_params)} params / {g(acc.hbm_bw)} B/s = {g(optimizer)} s",
+        f"optimizer ({'multi-tensor' if st.foreach else 'fused'} AdamW) = "
+        f"{4 * PASSES['unfused-adam' if st.foreach else 'fused']} B x {g(opt_params)} params / ({g(acc.hbm_bw)} B/s · "
+        f"{acc.mem_eff}) "
+        f"= {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
         + (f" + logits {logit_bytes:g}·s·b·v/tp = {g(logits)} B" if logits else ""),

@@ -163,7 +163,7 @@ class ModelSpec:
                 f"{self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, vocab {self.vocab}{moe})")
 
 
-EAGER_BYTES = 150.0
+EAGER_BYTES = 140.0
 """Bytes per unit of width one token moves in one layer's forward beyond the fused count when a rotary
 model's two RMSNorms and its rotary embedding run as eager PyTorch's decomposed ops (fp32 upcasts, a
 kernel per op). Fitted on torchtitan's Llama 3.1 8B FSDP eager run on 8 H100s (data/runs.toml)."""

@@ -1,0 +1,117 @@
+"""What FSDP2 costs on one GPU beside the step's own compute: its optimizer step over sharded (DTensor) parameters
+against the same AdamW over plain tensors, fused and multi-tensor, and its copy-in/copy-out kernels of one forward and
+backward; the measurements the planner's ``framework = "fsdp2"`` term and its update passes are checked on. Per case:
+the update's time, its CUDA kernels, and the passes over the fp32 parameter bytes that time comes to at the measured
+copy rate; the copy kernels' time and the bytes per parameter they come to. Run on a GPU:
+    python bench/planner/update_sweep.py OUT.json
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from gemm_sweep import timed  # this folder's: CUDA-event time of a call after warm-ups
+
+from shardwise.models import build
+
+CASES = [("llama", "8b", 4, 1024), ("moe", "8x7b-8l", 1, 1024)]  # (model, preset, layers, tokens)
+
+
+def kernels(fn) -> dict[str, float]:
+    """Seconds per CUDA kernel name of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            out[e.name] = out.get(e.name, 0.0) + e.device_time_total / 1e6
+    return out
+
+
+def count(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def case(name, size, layers, tokens, fsdp, kernel, copy_bw):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialised on the GPU: seconds, not a minute on the host
+        model = build(name, size, n_layer=layers)
+    if fsdp:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for blk in model.blocks:
+            fully_shard(blk, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if kernel == "fused" else {"foreach": True}))
+    vocab = model.cfg.vocab
+    x = torch.randint(0, vocab, (1, tokens), device="cuda")
+
+    def fwd_bwd():
+        with torch.autocast("cuda", torch.bfloat16, enabled=not fsdp):
+            loss = model(x, x)
+        loss.backward()
+
+    fwd_bwd()
+    row = {"model": f"{name} {size} x{layers} layers", "fsdp2": fsdp, "kernel": kernel, "params": params}
+    row["update_s"] = timed(opt.step, reps=5)
+    row["update_kernels"] = count(opt.step)
+    row["update_passes"] = row["update_s"] * copy_bw / (4.0 * params)
+    if fsdp:
+        per = kernels(fwd_bwd)
+        copies = {k: v for k, v in per.items() if "chunk_cat" in k or "split_with_sizes" in k or "CatArrayBatched" in k}
+        row["copy_kernels"] = {k[:80]: v for k, v in sorted(copies.items(), key=lambda kv: -kv[1])[:6]}
+        row["copy_s"] = sum(copies.values())
+        row["copy_bytes_per_param"] = row["copy_s"] * copy_bw / params
+    return row
+
+
+def one(i: int) -> None:
+    """Case ``i`` of the sweep (model, FSDP2 or not, kernel) in this process: one JSON line."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    a = torch.empty(2**28, device="cuda")
+    b = torch.empty_like(a)
+    copy_bw = 2 * a.numel() * 4 / timed(lambda: b.copy_(a))  # read + write
+    name, size, layers, tokens = CASES[i // 4]
+    print(json.dumps({**case(name, size, layers, tokens, bool(i % 4 // 2), ("fused", "foreach")[i % 2], copy_bw),
+                      "copy_bw": copy_bw}), flush=True)
+    dist.destroy_process_group()
+
+
+def main(out):
+    import subprocess
+
+    rows = []
+    for i in range(4 * len(CASES)):  # each case in a process of its own: FSDP2's state outlives its module
+        t = time.time()
+        r = subprocess.run([sys.executable, __file__, "--case", str(i)], capture_output=True, text=True)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("{")), None)
+        rows.append(json.loads(line) if line else {"case": i, "error": r.stderr[-600:]})
+        print(json.dumps(rows[-1])[:400], f"{time.time() - t:.0f}s", flush=True)
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "command": "python bench/planner/update_sweep.py", "date": time.strftime("%Y-%m-%d")}
+        with open(out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--case":
+        one(int(sys.argv[2]))
+    else:
+        main(sys.argv[1])
