@@ -19,9 +19,10 @@ step holds, fitted on one run only: plain torch.compile of the 1.1B Llama shape 
 multi-tensor AdamW, 0.1257 s/step (bench/results/2026-11-29-h200-llama1b-ws1.json). Every other H200 row of the
 planner's validation is blind (bench/results/2026-12-05-plan-measured-rates.md)."""
 H100_EFF_MAX = 0.546
-"""H100: one share of the datasheet peak for a whole step, the same run's under the model without measured rates. The
-H100 rows we validate on ran 2023-24 software (torchtitan, MosaicML, MaxText), against which the 2026 H200's rates
-predict them 5-15% fast: an H100 table waits for an H100 run of ours."""
+"""H100: one share of the datasheet peak for a whole step, the same run's under the model without measured rates. An
+H100 with today's software runs the same products as the H200 (median 1.03x, bench/results/2026-12-05-h100-gemm-shapes
+.json), but the H100 rows we validate on ran 2023-24 software (torchtitan, MosaicML, MaxText), which those rates predict
+5-15% fast: the H100 takes the table once rows of today's software on H100s are in the validation."""
 
 HOPPER_PRODUCTS = {  # model width: {tp: TFLOP/s at 2048, 4096, 8192 and 16384 tokens per micro-batch}
     2048: {1: (757, 772, 754, 691), 2: (592, 652, 717, 695), 4: (529, 603, 683, 739), 8: (408, 550, 643, 711)},
