@@ -1,10 +1,9 @@
 """The options of ``shardwise.compile``, grouped and validated: one keyword-only dataclass per concern.
 
-``compile()`` keeps its flat keyword arguments (what users write) and builds a ``JobConfig`` from them;
-each field is named as its keyword, so an error names the option to fix. Values are checked here,
-before any process group or device is touched; what depends on the device (a budget given as a
-fraction, the SM carveout) is resolved when the job is built.
-"""
+``compile()`` keeps its flat keyword arguments (what users write) and builds a ``JobConfig`` from them; each field is
+named as its keyword, so an error names the option to fix. Values are checked here, before any process group or device
+is touched; what depends on the device (a budget given as a fraction, the SM carveout) is resolved when the job is
+built."""
 
 from __future__ import annotations
 

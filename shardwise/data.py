@@ -1,8 +1,7 @@
 """Training data for the CLI: a deterministic synthetic token stream, or bytes of any text file.
 
-Every rank draws its own batches: batch ``(step, rank)`` is a pure function of the seed, so runs
-repeat exactly and no two ranks see the same sample.
-"""
+Every rank draws its own batches: batch ``(step, rank)`` is a pure function of the seed, so runs repeat exactly and no
+two ranks see the same sample."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ import torch
 class SyntheticStream:
     """Sequences from a fixed random bigram "language" with a few likely successors per token.
 
-    Its entropy is far below ``log(vocab)``, so a model's loss falls visibly within a few dozen steps.
-    """
+    Its entropy is far below ``log(vocab)``, so a model's loss falls visibly within a few dozen steps."""
 
     def __init__(self, vocab: int, seq: int, batch: int, seed: int = 0, branching: int = 4):
         g = torch.Generator().manual_seed(seed)

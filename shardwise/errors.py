@@ -1,8 +1,7 @@
 """Every error shardwise raises for something a user did or can change, each naming the rule and the values.
 
-They subclass the built-in type a caller would catch anyway (``ValueError`` for bad input,
-``RuntimeError`` for a step that cannot go on), so ``except ValueError`` keeps working.
-"""
+They subclass the built-in type a caller would catch anyway (``ValueError`` for bad input, ``RuntimeError`` for a step
+that cannot go on), so ``except ValueError`` keeps working."""
 
 from __future__ import annotations
 

@@ -257,9 +257,8 @@ class Job(Checkpointing, Held):
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's weights and persistent buffers, keyed as ``model.state_dict()``.
 
-        A collective: every rank must call it. With ``rank0_only`` the other ranks get ``{}``.
-        Parameters are gathered one at a time onto the CPU, so the whole model is never on one device.
-        """
+        A collective: every rank must call it. With ``rank0_only`` the other ranks get ``{}``. Parameters are gathered
+        one at a time onto the CPU, so the whole model is never on one device."""
         self.updater.drain()
         keep = not rank0_only or dist.get_rank() == 0
         with watched(self, "full_state_dict"):
@@ -304,10 +303,9 @@ class Job(Checkpointing, Held):
     def predict_memory(self, batch) -> dict[str, int]:
         """Predicted peak bytes on this rank for a step on ``batch`` (one micro-batch), before running it.
 
-        Resident state + the largest of: the graph's simulated live peak; its outputs (the
-        gradients) plus the optimizer step's temporaries; zero1/2's gather of the updated shards
-        back into whole weights. See budget.py and costmodel/memory.py.
-        """
+        Resident state + the largest of: the graph's simulated live peak; its outputs (the gradients) plus the optimizer
+        step's temporaries; zero1/2's gather of the updated shards back into whole weights. See budget.py and
+        costmodel/memory.py."""
         from .capture import flatten_batch
 
         return self.plan.predict(self.compiled(batch).program, flatten_batch(batch)[0])

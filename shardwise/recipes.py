@@ -42,8 +42,7 @@ def adamw_groups(named, lr: float, weight_decay: float = 0.1, **kw) -> torch.opt
     """AdamW with two groups by name: weight decay on matrices, none on biases and norms.
 
     Works as a ``shardwise.compile`` optimizer factory (it receives ``(name, shard)`` pairs) and on
-    ``model.named_parameters()`` alike.
-    """
+    ``model.named_parameters()`` alike."""
     named = list(named)
     decay = [(n, p) for n, p in named if not no_decay(n)]
     plain = [(n, p) for n, p in named if no_decay(n)]

@@ -5,8 +5,7 @@ weights appear once), every buffer, then the leaves of the batch. Its outputs ar
 per trainable parameter. Tracing runs on fake tensors, so no parameter memory is touched.
 
 Forward and ``autograd.grad`` run inside one reparametrization context: computing the gradient outside it gives wrong
-gradients, and ``torch.func.grad`` cannot trace through non-reentrant activation checkpointing.
-"""
+gradients, and ``torch.func.grad`` cannot trace through non-reentrant activation checkpointing."""
 
 from __future__ import annotations
 

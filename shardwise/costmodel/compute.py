@@ -1,9 +1,8 @@
-"""Roofline time of the compute nodes of a step graph: max(FLOPs / peak, bytes / bandwidth); and the
-FLOPs of a training step per token, which MFU and the planner share.
+"""Roofline time of the compute nodes of a step graph: max(FLOPs / peak, bytes / bandwidth); and the FLOPs of a training
+step per token, which MFU and the planner share.
 
-The analytic fallback of the cost model; measured per-node times replace it where profiling runs.
-What each op costs (FLOPs, whether it is a view) is the op registry's (sharding/ops.py).
-"""
+The analytic fallback of the cost model; measured per-node times replace it where profiling runs. What each op costs
+(FLOPs, whether it is a view) is the op registry's (sharding/ops.py)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """The one device table: datasheet peaks, the rates measured on our machines, the planner's fitted shares.
 
 Two views of one device read from it. The compiler's roofline times each node at ``flops`` (the matrix-product rate:
-measured where we have the device) and ``bandwidth`` (the measured copy rate). The planner times a whole step's
-products at the datasheet ``peak_flops`` times its fitted share (``efficiency``), or, where we measured the device's
-products and attention by shape (the H200), at a fitted share of those rates (``product_rate``, ``attention_rate``); the
-memory-bound kernels at ``mem_eff`` of ``hbm_bw``. MFU is quoted against ``peak_flops``, as the literature does.
-"""
+measured where we have the device) and ``bandwidth`` (the measured copy rate). The planner times a whole step's products
+at the datasheet ``peak_flops`` times its fitted share (``efficiency``), or, where we measured the device's products and
+attention by shape (the H200), at a fitted share of those rates (``product_rate``, ``attention_rate``); the memory-bound
+kernels at ``mem_eff`` of ``hbm_bw``. MFU is quoted against ``peak_flops``, as the literature does."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from .hostlink import HostLink
 
@@ -42,15 +43,7 @@ PEAK_REF = 989e12
 
 def _log_interp(x: float, xs, ys) -> float:
     """``ys`` at ``x`` on the log2 scale of ``xs`` (ascending), held flat beyond the ends."""
-    import math
-
-    if x <= xs[0]:
-        return ys[0]
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
-        if x <= x1:
-            f = math.log2(x / x0) / math.log2(x1 / x0)
-            return y0 + f * (y1 - y0)
-    return ys[-1]
+    return float(np.interp(np.log2(x), np.log2(xs), ys))
 
 
 # PCIe 5.0 x16 as measured from one H200 (costmodel.hostlink.measure, 512 MiB pinned copies,
@@ -105,12 +98,10 @@ class Device:
     def product_rate(self, width: int, tp: int, tokens: float) -> float:
         """FLOP/s a whole step holds on the matrix products of a model ``width`` wide cut ``tp`` ways, ``tokens`` per
         micro-batch: ``eff_max`` of the measured rate of the nearest width and tp (``products``), else of the peak."""
-        import math
-
         if self.products is None:
             return self.peak_flops * self.efficiency(width / tp)
-        w = min(self.products, key=lambda k: abs(math.log2(k / width)))
-        t = min(self.products[w], key=lambda k: abs(math.log2(k / tp)))
+        w = min(self.products, key=lambda k: abs(np.log2(k / width)))
+        t = min(self.products[w], key=lambda k: abs(np.log2(k / tp)))
         return _log_interp(tokens, (2048, 4096, 8192, 16384), self.products[w][t]) * self.scale()
 
     def attention_rate(self, seq: int) -> float | None:

@@ -1,15 +1,14 @@
-"""The host link: bandwidth between device memory and (pinned) host memory, and the time of a
-streamed optimizer step over it.
+"""The host link: bandwidth between device memory and (pinned) host memory, and the time of a streamed optimizer step
+over it.
 
-An offloaded optimizer step moves every host-resident byte of master weights and optimizer state
-to the device and back: ``h2d = d2h = S``. Copies in the two directions run on separate streams
-and overlap, so the step's transfer time is bounded below by
+An offloaded optimizer step moves every host-resident byte of master weights and optimizer state to the device and back:
+``h2d = d2h = S``. Copies in the two directions run on separate streams and overlap, so the step's transfer time is
+bounded below by
 
-    max(S / bw_h2d, S / bw_d2h, 2·S / bw_both)
+max(S / bw_h2d, S / bw_d2h, 2·S / bw_both)
 
-where ``bw_both`` is the two directions measured at once (PCIe is full duplex, a host's memory system
-may not be). ``measure`` times the three; on CPU the "host" is a second buffer pool (memcpy speeds).
-"""
+where ``bw_both`` is the two directions measured at once (PCIe is full duplex, a host's memory system may not be).
+``measure`` times the three; on CPU the "host" is a second buffer pool (memcpy speeds)."""
 
 from __future__ import annotations
 

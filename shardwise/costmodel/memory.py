@@ -7,8 +7,7 @@ from that node to the last use of any alias, and graph outputs live to the end (
 loss). Placeholders are the caller's tensors and are counted as resident state, not here.
 
 Peak per rank = resident state + the most graph-made bytes live at once; the optimizer step after the graph holds the
-gradients plus its own temporaries (costmodel/optimizer.py).
-"""
+gradients plus its own temporaries (costmodel/optimizer.py)."""
 
 from __future__ import annotations
 

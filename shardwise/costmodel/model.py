@@ -1,11 +1,10 @@
-"""``CostModel``: the cost model of one job, the object passes, the memory plan, ``explain`` and the
-predictions all ask (DESIGN.md invariant 5: one cost model).
+"""``CostModel``: the cost model of one job, the object passes, the memory plan, ``explain`` and the predictions all ask
+(DESIGN.md invariant 5: one cost model).
 
-It knows the device (roofline compute, costmodel/devices.py), the link its collectives run on (α-β
-over a topology, costmodel/collectives.py), the host link (offload), and how the job's executor
-allocates (liveness, costmodel/memory.py). Passes get the roofline alone, which every rank computes
-alike from the graph; measured per-node times (``job.profile_compute``) enter predictions only.
-"""
+It knows the device (roofline compute, costmodel/devices.py), the link its collectives run on (α-β over a topology,
+costmodel/collectives.py), the host link (offload), and how the job's executor allocates (liveness,
+costmodel/memory.py). Passes get the roofline alone, which every rank computes alike from the graph; measured per-node
+times (``job.profile_compute``) enter predictions only."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The optimizer step as the cost model sees it: its state's bytes, its temporaries, its time.
 
-The compiler's prediction and the planner's both time the update as memory-bound passes over the
-fp32 master bytes (``update_time``): a fused Adam reads parameter, gradient and two moments and
-writes three (7 passes of the master's bytes, 28 bytes a parameter); torch's multi-tensor and loop
-Adam make about 20 (decay, lerp, two for v, sqrt, div, add, addcdiv).
-"""
+The compiler's prediction and the planner's both time the update as memory-bound passes over the fp32 master bytes
+(``update_time``): a fused Adam reads parameter, gradient and two moments and writes three (7 passes of the master's
+bytes, 28 bytes a parameter); torch's multi-tensor and loop Adam make about 20 (decay, lerp, two for v, sqrt, div, add,
+addcdiv)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def optimizer_transient(opt: torch.optim.Optimizer) -> int:
     bias-corrected ``sqrt(v)``. Every other update is in place, and the gradient copy that L2 decay or ``maximize``
     makes is dropped before that list is built (torch/optim/adam.py, ``_multi_tensor_adam``). On an H200 (1.1B Llama,
     one rank) the measured peak ruled out a second list. The single-tensor loop — the CPU default — holds two
-    temporaries of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam.
-    """
+    temporaries of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam."""
     ps = [p for g in opt.param_groups for p in g["params"]]
     if not ps:
         return 0

@@ -1,15 +1,14 @@
 """Simulate one step of a scheduled program on two lanes, compute and communication.
 
-Walk the node order: a compute node advances the compute lane by its estimated time; a collective
-start queues on the communication lane (one collective at a time, in issue order, as on one NCCL
-stream) from the moment it is issued; a wait holds the compute lane until its collective ends.
-The compute lane's idle time in waits is the exposed communication.
+Walk the node order: a compute node advances the compute lane by its estimated time; a collective start queues on the
+communication lane (one collective at a time, in issue order, as on one NCCL stream) from the moment it is issued; a
+wait holds the compute lane until its collective ends. The compute lane's idle time in waits is the exposed
+communication.
 
-With ``free``, the lanes also share the SMs: ``free(node)`` is the share of a collective's SMs a compute
-node leaves while it runs. 0 (a persistent product, a block on every SM): a collective due while it
-runs, or within ``RACE_S`` before it starts, starts when it ends. Between 0 and 1 (a carved product): a
-collective due while it runs starts, and runs ``1 / share`` times as long. 1: no contention (default).
-"""
+With ``free``, the lanes also share the SMs: ``free(node)`` is the share of a collective's SMs a compute node leaves
+while it runs. 0 (a persistent product, a block on every SM): a collective due while it runs, or within ``RACE_S``
+before it starts, starts when it ends. Between 0 and 1 (a carved product): a collective due while it runs starts, and
+runs ``1 / share`` times as long. 1: no contention (default)."""
 
 from __future__ import annotations
 

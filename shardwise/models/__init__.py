@@ -1,8 +1,7 @@
 """Built-in reference models: GPT-2 style, Llama style and a top-k MoE (dense or capacity dispatch).
 
-Each model's ``forward(idx, targets=None)`` returns the mean next-token cross-entropy when
-``targets`` is given, logits otherwise. ``build(name, size, **overrides)`` picks a preset.
-"""
+Each model's ``forward(idx, targets=None)`` returns the mean next-token cross-entropy when ``targets`` is given, logits
+otherwise. ``build(name, size, **overrides)`` picks a preset."""
 
 from __future__ import annotations
 

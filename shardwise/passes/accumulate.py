@@ -1,13 +1,12 @@
 """Gradient accumulation for strategies that keep whole gradients (ddp, zero1).
 
-Over ``k`` micro-batches, the first ``k-1`` run a *local* program, no collective: each gradient is added
-into a running sum in the reduce dtype (bf16 compute still accumulates in fp32). The last runs the
-strategy's program with the sums as extra inputs, added to its gradients (and loss) right before they
-are reduced: one reduction per step, as DDP's ``no_sync``.
+Over ``k`` micro-batches, the first ``k-1`` run a *local* program, no collective: each gradient is added into a running
+sum in the reduce dtype (bf16 compute still accumulates in fp32). The last runs the strategy's program with the sums as
+extra inputs, added to its gradients (and loss) right before they are reduced: one reduction per step, as DDP's
+``no_sync``.
 
-zero2 and zero3 instead reduce-scatter every micro-batch into a running shard sum (``into_inputs``):
-they never hold a whole gradient, the memory difference between zero1 and zero2.
-"""
+zero2 and zero3 instead reduce-scatter every micro-batch into a running shard sum (``into_inputs``): they never hold a
+whole gradient, the memory difference between zero1 and zero2."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ def local(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, strategy: str) ->
 def add_accumulators(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, inplace: bool = False) -> None:
     """Append inputs ``[*grad_sums, loss_sum]`` and add them to the gradients and the loss.
 
-    ``inplace``: add each gradient into its sum (mutating the input) and output only the loss.
-    Otherwise the sums replace the gradients as outputs, for the strategy pass to reduce.
-    """
+    ``inplace``: add each gradient into its sum (mutating the input) and output only the loss. Otherwise the sums
+    replace the gradients as outputs, for the strategy pass to reduce."""
     g = gm.graph
     _, _, loss, grads = parts(gm)
     first = next(n for n in g.nodes if n.op != "placeholder")

@@ -1,13 +1,12 @@
 """Activation offload: a saved activation waits for the backward in host memory, not on the device.
 
-For each chosen forward value the backward reads: right after it is made, ``to_host`` starts its copy
-out (runtime/ops.py); early in the backward, ``to_device`` starts its copy back, and a ``wait_tensor``
-right before its first backward reader waits for it. The device value dies after its last forward
-reader instead of living into the backward. The copy back starts where the backward compute before
-the first reader is predicted to take as long as the copy (``fetch_s``), never in the forward.
+For each chosen forward value the backward reads: right after it is made, ``to_host`` starts its copy out
+(runtime/ops.py); early in the backward, ``to_device`` starts its copy back, and a ``wait_tensor`` right before its
+first backward reader waits for it. The device value dies after its last forward reader instead of living into the
+backward. The copy back starts where the backward compute before the first reader is predicted to take as long as the
+copy (``fetch_s``), never in the forward.
 
-Inserted after scheduling, so the collective schedule is untouched.
-"""
+Inserted after scheduling, so the collective schedule is untouched."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """Bucketing: merge neighbouring per-parameter all-gathers and reduce-scatters into one collective each.
 
-Every collective pays a fixed latency α; a bucket pays it once for many parameters. Buckets are
-closed at ``bucket_bytes`` (the cost model picks it: passes/pipeline.py), hold one dtype and one
-phase, and keep graph order, so the order of collectives stays a function of the graph.
+Every collective pays a fixed latency α; a bucket pays it once for many parameters. Buckets are closed at
+``bucket_bytes`` (the cost model picks it: passes/pipeline.py), hold one dtype and one phase, and keep graph order, so
+the order of collectives stays a function of the graph.
 
-All-gather bucket: the members' shards are concatenated, gathered once (rank-major), and each
-member's padded rows are copied out of its column of the ``[ranks, total]`` result. Reduce-scatter
-bucket: each member's padded gradient is viewed as ``[ranks, k_i]``, the views concatenated along
-dim 1, reduce-scattered once, and the result split into the members' shards.
-"""
+All-gather bucket: the members' shards are concatenated, gathered once (rank-major), and each member's padded rows are
+copied out of its column of the ``[ranks, total]`` result. Reduce-scatter bucket: each member's padded gradient is
+viewed as ``[ranks, k_i]``, the views concatenated along dim 1, reduce-scattered once, and the result split into the
+members' shards."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ need. ``auto`` is ``compile``'s default on CUDA. In sitting 8 (2xH200) it carved
 left the 8B shape whole, where carving 24 SMs measured 0.9% slower.
 
 Runs last (``shard_step``): buckets, in-flight cap and memory plan are chosen on uncarved candidates. The choice is a
-function of the graph and the cost model, so every rank makes the same one.
-"""
+function of the graph and the cost model, so every rank makes the same one."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """ddp: every rank holds the whole model; gradients are averaged by bucketed all-reduces.
 
-Each bucket's all-reduce is issued right after the last of its gradients is produced, so it
-can run while the rest of the backward computes.
-"""
+Each bucket's all-reduce is issued right after the last of its gradients is produced, so it can run while the rest of
+the backward computes."""
 
 from __future__ import annotations
 

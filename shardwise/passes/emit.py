@@ -1,10 +1,9 @@
 """Emit functional collectives and small reshapes into an FX graph.
 
-Every collective is a ``_c10d_functional`` op followed by its ``wait_tensor``; the start node carries
-a ``Collective`` (sharding/collective.py): its kind, the bytes of the whole tensor and what one rank
-sends, the ranks and mesh axis of its group, its phase and parameters. The cost model, the scheduler,
-``explain`` and the tests read the graph back through it.
-"""
+Every collective is a ``_c10d_functional`` op followed by its ``wait_tensor``; the start node carries a ``Collective``
+(sharding/collective.py): its kind, the bytes of the whole tensor and what one rank sends, the ranks and mesh axis of
+its group, its phase and parameters. The cost model, the scheduler, ``explain`` and the tests read the graph back
+through it."""
 
 from __future__ import annotations
 

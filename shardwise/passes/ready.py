@@ -1,15 +1,14 @@
 """Parameter readiness: the step may start before the last optimizer update has finished.
 
-Under optimizer offload the update of step ``t`` streams through the device on its own streams. The
-next step's graph need not wait for all of it: each parameter input gets a ``wait_tensor`` right before
-its first reader, and the runtime registers on each refreshed compute shard a work whose ``wait`` makes
-the compute stream wait for that parameter's update (runtime/offload.py), so the forward starts while
-the last layers are still being updated. ``wait_tensor`` returns its input (an alias, no copy, in the
-FX executor and under inductor alike) and is a no-op for a tensor with nothing registered.
+Under optimizer offload the update of step ``t`` streams through the device on its own streams. The next step's graph
+need not wait for all of it: each parameter input gets a ``wait_tensor`` right before its first reader, and the runtime
+registers on each refreshed compute shard a work whose ``wait`` makes the compute stream wait for that parameter's
+update (runtime/offload.py), so the forward starts while the last layers are still being updated. ``wait_tensor``
+returns its input (an alias, no copy, in the FX executor and under inductor alike) and is a no-op for a tensor with
+nothing registered.
 
-Inserted after scheduling, so the collective schedule is untouched; the cost model reads these
-waits as free (they are not collectives).
-"""
+Inserted after scheduling, so the collective schedule is untouched; the cost model reads these waits as free (they are
+not collectives)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """Selective recomputation: elementwise forward results are recomputed in the backward, not kept.
 
-A forward value the backward reads stays alive into the backward. When it is a cheap elementwise function
-of values alive anyway (inputs, matrix-product outputs the backward needs), the backward can recompute it
-and the forward copy dies after its last forward use: saved activations shrink for a few elementwise
-kernels (the papers' "selective recomputation", torch's min-cut partitioner; here on the joint graph).
+A forward value the backward reads stays alive into the backward. When it is a cheap elementwise function of values
+alive anyway (inputs, matrix-product outputs the backward needs), the backward can recompute it and the forward copy
+dies after its last forward use: saved activations shrink for a few elementwise kernels (the papers' "selective
+recomputation", torch's min-cut partitioner; here on the joint graph).
 
-Decided in forward order: a value is recomputed when all its tensor inputs are placeholders or kept
-forward values (not themselves recomputed). A copy of the node goes right before its first backward
-reader; deterministic elementwise arithmetic, so results are identical.
-"""
+Decided in forward order: a value is recomputed when all its tensor inputs are placeholders or kept forward values (not
+themselves recomputed). A copy of the node goes right before its first backward reader; deterministic elementwise
+arithmetic, so results are identical."""
 
 from __future__ import annotations
 

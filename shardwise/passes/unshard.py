@@ -1,15 +1,14 @@
 """Selective unsharding under a memory budget: which zero3 parameters stay gathered from forward to backward.
 
-First the plan must fit with every parameter resharded; if it does not, selective recomputation
-(passes/recompute.py) is turned on, then saved activations are kept in host memory, largest first
-(passes/actoffload.py), and if it still does not fit, ``BudgetError``.
+First the plan must fit with every parameter resharded; if it does not, selective recomputation (passes/recompute.py) is
+turned on, then saved activations are kept in host memory, largest first (passes/actoffload.py), and if it still does
+not fit, ``BudgetError``.
 
-A parameter kept gathered needs no backward all-gather but its whole weight lives from its forward use
-to its last backward use, adding its bytes to the peak at the forward/backward boundary. The plan is a
-greedy with re-evaluation: take parameters in reverse forward order (the last are needed again first)
-while their bytes fit the headroom under the budget; then compile that plan and drop the most recently
-added until its simulated peak fits. Deterministic: the same plan on every rank.
-"""
+A parameter kept gathered needs no backward all-gather but its whole weight lives from its forward use to its last
+backward use, adding its bytes to the peak at the forward/backward boundary. The plan is a greedy with re-evaluation:
+take parameters in reverse forward order (the last are needed again first) while their bytes fit the headroom under the
+budget; then compile that plan and drop the most recently added until its simulated peak fits. Deterministic: the same
+plan on every rank."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Clusters for ``shardwise plan``: which accelerators, how many, and the link levels between them.
 
-The collective model (levels, rings, NVLS, tori) is costmodel/collectives.py's ``Topology``, the
-accelerators are costmodel/devices.py's table: a cluster preset only says which devices and links a
-machine has and how many of each.
-"""
+The collective model (levels, rings, NVLS, tori) is costmodel/collectives.py's ``Topology``, the accelerators are
+costmodel/devices.py's table: a cluster preset only says which devices and links a machine has and how many of each."""
 
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ from ..costmodel.devices import DEVICES, Device
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Accelerators and the topology between them (costmodel.Topology: ``(size, Level)`` pairs,
-    innermost first; a DGX cluster is ``[(8, NVLink), (nodes, InfiniBand)]``, a TPU slice one pair
-    per torus axis)."""
+    """Accelerators and the topology between them (costmodel.Topology: ``(size, Level)`` pairs, innermost first; a DGX
+    cluster is ``[(8, NVLink), (nodes, InfiniBand)]``, a TPU slice one pair per torus axis)."""
 
     name: str
     accel: Device

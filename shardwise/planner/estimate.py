@@ -69,12 +69,11 @@ class Strategy:
     """Sequences per optimizer step over all data-parallel ranks (None: one micro-batch per rank)."""
     seq: int | None = None
     recompute: str = "selective"
-    """none, selective (attention recomputed), selective-op (PyTorch's per-op selective checkpointing
-    as torchtitan sets it: every other matrix product's output and the attention output kept, the
-    rest of the layer's forward recomputed), block (``torch.utils.checkpoint`` around each layer, as
-    FSDP2, torchtitan's full AC and shardwise's captured step do: the layer's forward but its last
-    product, whose output the backward needs only as the next layer's saved input) or full (every
-    layer's whole forward, Megatron's)."""
+    """none, selective (attention recomputed), selective-op (PyTorch's per-op selective checkpointing as torchtitan sets
+    it: every other matrix product's output and the attention output kept, the rest of the layer's forward recomputed),
+    block (``torch.utils.checkpoint`` around each layer, as FSDP2, torchtitan's full AC and shardwise's captured step
+    do: the layer's forward but its last product, whose output the backward needs only as the next layer's saved input)
+    or full (every layer's whole forward, Megatron's)."""
     sp: bool = True
     """Sequence parallelism alongside tensor parallelism."""
     virtual: int = 1
@@ -89,9 +88,8 @@ class Strategy:
     """Achieved fraction of peak FLOP/s of the compute; None: the accelerator's fitted curve of the
     per-GPU matrix width (costmodel.Device.efficiency)."""
     dp_exposed: float | None = None
-    """Share of the data-parallel communication not hidden behind the backward, at least; None: 0.1
-    (the last bucket's) in the closed form, and under ZeRO-3 without a pipeline what the per-layer
-    timeline waits (timeline.py)."""
+    """Share of the data-parallel communication not hidden behind the backward, at least; None: 0.1 (the last bucket's)
+    in the closed form, and under ZeRO-3 without a pipeline what the per-layer timeline waits (timeline.py)."""
     tp_exposed: float | None = None
     """Share of the tensor-parallel communication not hidden; None: all of it on GPU clusters
     (Megatron's default), ``dp_exposed``'s share on TPUs, where XLA overlaps it with the matrix
@@ -104,10 +102,9 @@ class Strategy:
     its share of the routed tokens (GShard/Switch capacity dispatch pads to it; 1: exact top-k, as
     grouped GEMMs run). Model FLOPs and MFU count the routed tokens alone."""
     shard: int | None = None
-    """Hybrid sharding (FSDP2's HSDP, MaxText's FSDP inside a slice with data parallelism across):
-    ZeRO shards the state over groups of ``shard`` neighbouring data-parallel ranks, which replicate
-    it across groups; each group's gradient shards are then all-reduced across the groups. None:
-    one group of every data-parallel rank."""
+    """Hybrid sharding (FSDP2's HSDP, MaxText's FSDP inside a slice with data parallelism across): ZeRO shards the state
+    over groups of ``shard`` neighbouring data-parallel ranks, which replicate it across groups; each group's gradient
+    shards are then all-reduced across the groups. None: one group of every data-parallel rank."""
 
     reduce_fp32: bool = False
     """Gradients held and reduced in fp32 (Megatron's ``--accumulate-allreduce-grads-in-fp32``); the

@@ -80,10 +80,9 @@ class ModelSpec:
         return self.params(active=True)
 
     def flops_per_token(self, seq: int | None = None) -> float:
-        """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is
-        no multiply; a tied head still is one) plus 12·L·d·T for attention (PaLM's formula; d the
-        query width, heads x head size; T the keys a query attends to: the window, where one is
-        shorter than the sequence)."""
+        """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is no multiply; a tied
+        head still is one) plus 12·L·d·T for attention (PaLM's formula; d the query width, heads x head size; T the keys
+        a query attends to: the window, where one is shorter than the sequence)."""
         matmul = self.layers * (self.layer_params(True) - 2 * self.hidden) + self.vocab * self.hidden
         seq = seq or self.seq
         return flops_per_token(matmul, self.layers, self.q_dim, min(seq, self.window) if self.window else seq)
@@ -91,22 +90,20 @@ class ModelSpec:
     def layer_activation_bytes(self, seq: int, micro_batch: int, tp: int = 1, sp: bool = False,
                                recompute: str = "none", fused_attention: bool = True, capacity: float = 1.0,
                                stack: str = "megatron", eager: bool = False) -> float:
-        """Bytes one layer keeps for its backward per micro-batch (16-bit activations, 1-byte dropout
-        masks): Korthikanti et al. 2022's accounting (section 4, Table 2), term by term, so that it
-        also holds for gated MLPs, grouped-query attention and models without dropout. Kept whole on
-        every tensor-parallel rank unless sequence parallel: the two norm inputs and the inputs of the
-        QKV and first MLP matmuls (8·sbh) and the dropout masks (2·sbh). Split over ``tp``: Q (2·sbh),
-        K and V (2·sb·kv each), the attention output (2·sbh) and the MLP's inner activations (GeLU:
-        its input and output, 4·sb·ffn; gated: gate, up and their product, 6·sb·ffn; MoE: per routed
-        expert). The attention scores (5·a·s²·b) only when the attention is not fused (flash
-        attention recomputes them) and not recomputed (``selective``). For Megatron's GPT (ffn = 4h,
-        kv = h, dropout) this is the paper's ``sbh·(10 + 24/t + 5as/(ht))``. Full recomputation keeps
-        the layer's input alone (2·sbh/t), and so does per-layer ``block`` checkpointing (whole on
-        every rank without sequence parallelism); per-op selective recomputation (``selective-op``)
-        the layer's input, every other matrix product's output and the attention output. ``capacity``
-        scales an MoE layer's expert activations (capacity dispatch pads each expert's buffer). A PyTorch
-        ``stack`` keeps what was measured of it (``TORCH_ACTIVATIONS``) in place of the hidden-sized
-        terms and K and V; under autocast its residual stream, so a checkpointed layer's input, is fp32."""
+        """Bytes one layer keeps for its backward per micro-batch (16-bit activations, 1-byte dropout masks):
+        Korthikanti et al. 2022's accounting (section 4, Table 2), term by term, so that it also holds for gated MLPs,
+        grouped-query attention and models without dropout. Kept whole on every tensor-parallel rank unless sequence
+        parallel: the two norm inputs and the inputs of the QKV and first MLP matmuls (8·sbh) and the dropout masks
+        (2·sbh). Split over ``tp``: Q (2·sbh), K and V (2·sb·kv each), the attention output (2·sbh) and the MLP's inner
+        activations (GeLU: its input and output, 4·sb·ffn; gated: gate, up and their product, 6·sb·ffn; MoE: per routed
+        expert). The attention scores (5·a·s²·b) only when the attention is not fused (flash attention recomputes them)
+        and not recomputed (``selective``). For Megatron's GPT (ffn = 4h, kv = h, dropout) this is the paper's ``sbh·(10
+        + 24/t + 5as/(ht))``. Full recomputation keeps the layer's input alone (2·sbh/t), and so does per-layer
+        ``block`` checkpointing (whole on every rank without sequence parallelism); per-op selective recomputation
+        (``selective-op``) the layer's input, every other matrix product's output and the attention output. ``capacity``
+        scales an MoE layer's expert activations (capacity dispatch pads each expert's buffer). A PyTorch ``stack``
+        keeps what was measured of it (``TORCH_ACTIVATIONS``) in place of the hidden-sized terms and K and V; under
+        autocast its residual stream, so a checkpointed layer's input, is fp32."""
         sb = seq * micro_batch
         sbh = sb * self.hidden
         torch, autocast = stack != "megatron", stack == "torch-autocast"
@@ -170,12 +167,11 @@ kernel per op). Fitted on torchtitan's Llama 3.1 8B FSDP eager run on 8 H100s (d
 
 
 TORCH_ACTIVATIONS = {(False, False): 14.0, (True, False): 25.5, (False, True): 18.0, (True, True): 39.5}
-"""Bytes per unit of width one token keeps in one layer for its backward under PyTorch, beside its
-queries (4·q) and MLP (6·ffn), keyed (eager, autocast); measured on one H200 with Llama layers of width
-2048 and 4096 (bench/results/2026-12-04-h200-activation-memory.md): torch.compile in bf16 keeps 14
-where Korthikanti counts 8 (+ 4·kv), eager PyTorch 25.5 (its decomposed norms' and rotary embedding's
-fp32 intermediates); autocast over fp32 weights 18 and 39.5 (an fp32 residual stream; its 16-bit
-copies of the weights are counted as weights)."""
+"""Bytes per unit of width one token keeps in one layer for its backward under PyTorch, beside its queries (4·q) and MLP
+(6·ffn), keyed (eager, autocast); measured on one H200 with Llama layers of width 2048 and 4096
+(bench/results/2026-12-04-h200-activation-memory.md): torch.compile in bf16 keeps 14 where Korthikanti counts 8 (+
+4·kv), eager PyTorch 25.5 (its decomposed norms' and rotary embedding's fp32 intermediates); autocast over fp32 weights
+18 and 39.5 (an fp32 residual stream; its 16-bit copies of the weights are counted as weights)."""
 
 
 MODELS = {
@@ -200,13 +196,12 @@ def _first(c: dict, *keys, default=None):
 
 
 def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face ``config.json``: Llama, Mistral, Mixtral, Qwen-style keys, and
-    GPT-2, OPT, BLOOM, GPT-J/NeoX, Falcon and Phi ones (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``,
-    ``ffn_dim``; a non-gated MLP, 4 x the width where no size is given; learned positions where the
-    family has them; biases and a tied head as the family's defaults, where the file does not say);
-    a sliding window (Mistral's ``sliding_window``), and MoE experts' own width and shared experts
-    (Qwen-MoE's ``moe_intermediate_size`` and ``shared_expert_intermediate_size``; DeepSeek's
-    ``n_routed_experts`` and ``n_shared_experts``)."""
+    """A ``ModelSpec`` from a Hugging Face ``config.json``: Llama, Mistral, Mixtral, Qwen-style keys, and GPT-2, OPT,
+    BLOOM, GPT-J/NeoX, Falcon and Phi ones (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``, ``ffn_dim``; a non-gated
+    MLP, 4 x the width where no size is given; learned positions where the family has them; biases and a tied head as
+    the family's defaults, where the file does not say); a sliding window (Mistral's ``sliding_window``), and MoE
+    experts' own width and shared experts (Qwen-MoE's ``moe_intermediate_size`` and ``shared_expert_intermediate_size``;
+    DeepSeek's ``n_routed_experts`` and ``n_shared_experts``)."""
     with open(path) as f:
         c = json.load(f)
     kind = c.get("model_type", "")

@@ -1,11 +1,9 @@
-"""``shardwise plan --search``: the fastest layouts of a model on a cluster for a global batch, by the
-planner's estimate (estimate.py), and what would make a job fit where none does.
+"""``shardwise plan --search``: the fastest layouts of a model on a cluster for a global batch, by the planner's
+estimate (estimate.py), and what would make a job fit where none does.
 
-The space: tp inside a node (powers of two), pipeline stages (divisors of the layers and powers of
-two) with 1-4 interleaved stages, ZeRO 0-3 and hybrid sharding over a node, ep, micro-batches of 1-8,
-every recompute policy, sp with tp; the base strategy's other fields kept. Layouts that do not fit
-are dropped, the rest ranked by predicted step.
-"""
+The space: tp inside a node (powers of two), pipeline stages (divisors of the layers and powers of two) with 1-4
+interleaved stages, ZeRO 0-3 and hybrid sharding over a node, ep, micro-batches of 1-8, every recompute policy, sp with
+tp; the base strategy's other fields kept. Layouts that do not fit are dropped, the rest ranked by predicted step."""
 
 from __future__ import annotations
 
@@ -31,10 +29,9 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def layouts(m: ModelSpec, c: ClusterSpec, base: Strategy, max_pp: int = 64, space: dict | None = None):
-    """Every strategy of the search space (module docstring) on ``c``, ``base``'s other fields kept;
-    ``space`` ({axis: values}: tp, pp, virtual, micro_batch, zero, ep, cp, recompute) narrows an axis
-    to the values it lists (what the system a layout is for can run); context parallelism is weighed
-    only where it lists cp values."""
+    """Every strategy of the search space (module docstring) on ``c``, ``base``'s other fields kept; ``space`` ({axis:
+    values}: tp, pp, virtual, micro_batch, zero, ep, cp, recompute) narrows an axis to the values it lists (what the
+    system a layout is for can run); context parallelism is weighed only where it lists cp values."""
     space = space or {}
 
     def only(axis, values):

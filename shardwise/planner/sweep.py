@@ -54,10 +54,9 @@ def grad_sync(m: ModelSpec) -> list[dict]:
 
 def latency(models=("llama3-8b", "llama3-70b", "llama3-405b"), gpus=(8, 64, 512, 4096), bucket_mb: float = 25.0,
             seq: int = 8192) -> list[dict]:
-    """The per-message latency a data-parallel gradient reduction tolerates before it stops hiding
-    behind the backward: ZeRO-3/FSDP over NDR InfiniBand, one sequence per GPU, gradients reduced
-    in ``bucket_mb`` buckets by rings of ``n - 1`` steps each (reduce-scatter) — the latency at which
-    the reduction takes as long as the backward."""
+    """The per-message latency a data-parallel gradient reduction tolerates before it stops hiding behind the backward:
+    ZeRO-3/FSDP over NDR InfiniBand, one sequence per GPU, gradients reduced in ``bucket_mb`` buckets by rings of ``n -
+    1`` steps each (reduce-scatter) — the latency at which the reduction takes as long as the backward."""
     rows = []
     for name in models:
         m = model(name)

@@ -1,13 +1,11 @@
 """A ZeRO-3 / FSDP step on the compiler's two-lane simulation (costmodel.simulate), layer by layer.
 
-Per micro-batch: the embedding and head's weights gathered first (held to the backward, as FSDP2
-holds its root's); each layer's weights all-gathered before its forward and again before its
-backward, each gather issued one layer ahead (FSDP2's default prefetch, DeepSpeed's and XLA's
-latency-hiding schedule of a scan: one layer in flight); each layer's gradients reduce-scattered
-(and, hybrid-sharded, all-reduced across the groups) right after its backward. One communication
-lane in issue order; the compute lane waits for a layer's gather before it runs it. What the lane
-waits is the exposed communication, where the closed form could only assume a share.
-"""
+Per micro-batch: the embedding and head's weights gathered first (held to the backward, as FSDP2 holds its root's); each
+layer's weights all-gathered before its forward and again before its backward, each gather issued one layer ahead
+(FSDP2's default prefetch, DeepSpeed's and XLA's latency-hiding schedule of a scan: one layer in flight); each layer's
+gradients reduce-scattered (and, hybrid-sharded, all-reduced across the groups) right after its backward. One
+communication lane in issue order; the compute lane waits for a layer's gather before it runs it. What the lane waits is
+the exposed communication, where the closed form could only assume a share."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Predictions of ``shardwise plan`` against published (and our own) measured runs.
 
-The runs are data (``data/runs.toml``): each names its source, its configuration and the number the
-source reports. ``fitted`` marks the few runs a constant was fitted on (costmodel.Device.efficiency);
-every other run is predicted blind.
-"""
+The runs are data (``data/runs.toml``): each names its source, its configuration and the number the source reports.
+``fitted`` marks the few runs a constant was fitted on (costmodel.Device.efficiency); every other run is predicted
+blind."""
 
 from __future__ import annotations
 

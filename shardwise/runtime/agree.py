@@ -1,9 +1,8 @@
-"""Rank agreement (DESIGN.md invariant 2): every rank holds the same batch signature, graph and plan, or
-every rank stops with an error that names what differs on which ranks.
+"""Rank agreement (DESIGN.md invariant 2): every rank holds the same batch signature, graph and plan, or every rank
+stops with an error that names what differs on which ranks.
 
-Control messages travel over gloo even when the data is on NCCL: they are small host values, and a
-rank that has failed to compile must still be able to tell the others without touching the device.
-"""
+Control messages travel over gloo even when the data is on NCCL: they are small host values, and a rank that has failed
+to compile must still be able to tell the others without touching the device."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ DCP's ``async_save``: the step waits only for the copy to host memory, the files
 
 Beside the job's own state a checkpoint holds each rank's RNG states (torch, CUDA, Python, NumPy: restored when the
 loading job has as many ranks) and ``extra``: objects of the training loop (an LR scheduler, a data position), each a
-``state_dict()``/``load_state_dict()`` object or a plain value, the same on every rank.
-"""
+``state_dict()``/``load_state_dict()`` object or a plain value, the same on every rank."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""Runs compiled step programs: a program's executable (the FX graph op by op, or inductor's code), its
-inputs from this rank's state, and the micro-batches of one step.
+"""Runs compiled step programs: a program's executable (the FX graph op by op, or inductor's code), its inputs from this
+rank's state, and the micro-batches of one step.
 
-A program's inputs are ``[*params, *buffers, *batch]`` (passes/program.py): the parameters as this
-rank holds them (whole, or its shards), the buffers, the batch's tensor leaves; then, for the
-programs of accumulated micro-batches, the running sums (passes/accumulate.py).
-"""
+A program's inputs are ``[*params, *buffers, *batch]`` (passes/program.py): the parameters as this rank holds them
+(whole, or its shards), the buffers, the batch's tensor leaves; then, for the programs of accumulated micro-batches, the
+running sums (passes/accumulate.py)."""
 
 from __future__ import annotations
 

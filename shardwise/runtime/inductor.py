@@ -11,10 +11,9 @@ import torch.fx as fx
 def compile_graph(gm: fx.GraphModule) -> Callable:
     """Compile ``gm`` with inductor on its first call's inputs; later calls reuse the kernels.
 
-    The graph already holds its backward: compiled under ``no_grad`` with detached inputs. CSE is off so
-    zero3's separate backward gathers are not merged back into the forward ones, and inductor's
-    reorderings are off so they cannot undo our collective order (KEEP_ORDER).
-    """
+    The graph already holds its backward: compiled under ``no_grad`` with detached inputs. CSE is off so zero3's
+    separate backward gathers are not merged back into the forward ones, and inductor's reorderings are off so they
+    cannot undo our collective order (KEEP_ORDER)."""
     from torch._inductor import config as ind_cfg
     from torch._inductor.compile_fx import compile_fx
     from torch._functorch import config as ft_cfg

@@ -18,10 +18,9 @@ def tracked_tensors(job) -> list[torch.Tensor]:
 def measure(job, fn: Callable[[], object]) -> tuple[object, int]:
     """Run ``fn`` (typically ``lambda: job.step(batch)``) and return (its result, peak bytes on this rank).
 
-    On CUDA the peak is ``max_memory_allocated`` over the call. On CPU, torch's MemTracker follows
-    every tensor the call creates plus the state the job already holds (parameters, shards,
-    buffers, optimizer state), so the number is the live-tensor peak, not the process RSS.
-    """
+    On CUDA the peak is ``max_memory_allocated`` over the call. On CPU, torch's MemTracker follows every tensor the call
+    creates plus the state the job already holds (parameters, shards, buffers, optimizer state), so the number is the
+    live-tensor peak, not the process RSS."""
     dev = job.mesh.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -48,8 +47,7 @@ def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
 
     On CPU inductor's wrapper allocates outside the dispatcher, unseen by MemTracker; its locals hold the buffers, so a
     Python line tracer reads them (slow: small graphs). Storages passed in are not counted. Returns {peak, line, file,
-    blocks: [(bytes, local name)] live at the peak, largest first}; peak 0 and no file when no inductor wrapper ran.
-    """
+    blocks: [(bytes, local name)] live at the peak, largest first}; peak 0 and no file when no inductor wrapper ran."""
     import sys
 
     try:
@@ -122,8 +120,7 @@ def live_at_peak(trace: list[dict], baseline: int, top: int = 25) -> dict:
     requested and not yet freed when recording started (``memory_stats()["requested_bytes.all.current"]``). A block
     counts from its ``alloc`` to its ``free_requested``, in requested sizes, as ``requested_bytes`` counts it
     (``max_memory_allocated`` rounds them up to block sizes); blocks older than the recording are ``before``. Returns
-    {peak, before, sites: [(site, bytes, blocks)] largest first}.
-    """
+    {peak, before, sites: [(site, bytes, blocks)] largest first}."""
     def replay(stop: int | None = None):
         """Walk the events (up to index ``stop``): (peak, its index, live blocks, bytes of older blocks)."""
         live: dict[int, tuple[int, object]] = {}

@@ -1,9 +1,8 @@
 """Device meshes on torch.distributed: process-group set-up and named mesh axes.
 
-A mesh names its axes (``dp``, ``tp``, ...) outermost first, tensor parallel innermost so that its
-ranks are adjacent (one node's GPUs); the product of the axis sizes is the world size. It is a torch
-``DeviceMesh`` underneath, one process group per axis.
-"""
+A mesh names its axes (``dp``, ``tp``, ...) outermost first, tensor parallel innermost so that its ranks are adjacent
+(one node's GPUs); the product of the axis sizes is the world size. It is a torch ``DeviceMesh`` underneath, one process
+group per axis."""
 
 from __future__ import annotations
 

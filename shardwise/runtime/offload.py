@@ -2,10 +2,10 @@
 
 The master shards and per-parameter optimizer state live in host memory (pinned on CUDA). The step runs on the device
 chunk by chunk: chunk i+1 is copied in on one stream while chunk i is updated and chunk i-1 is copied back on a third,
-so both directions of the PCIe link and the update overlap. With overlap (CUDA) the step returns before the update
-ends; the next step's graph waits for each parameter where it first reads it (passes/ready.py). Each chunk's update is
-the user's own torch optimizer, its ``.data`` and state pointed at the device copies for the call; the compute-dtype
-shard is refreshed on the device.
+so both directions of the PCIe link and the update overlap. With overlap (CUDA) the step returns before the update ends;
+the next step's graph waits for each parameter where it first reads it (passes/ready.py). Each chunk's update is the
+user's own torch optimizer, its ``.data`` and state pointed at the device copies for the call; the compute-dtype shard
+is refreshed on the device.
 
 A parameter bigger than a chunk is streamed in slices (Adam and AdamW: elementwise, state made up front as zeros, step
 count advanced once per step), so staging memory is ``window`` chunks whatever the largest parameter (a 128k-vocabulary
@@ -18,8 +18,7 @@ minimised). Each parameter's weights are published as they arrive, in forward or
 what it reads next.
 
 On CPU the "host" is a separate buffer pool and the copies are plain copies: the same code path runs (and is tested for
-parity) without streams.
-"""
+parity) without streams."""
 
 from __future__ import annotations
 

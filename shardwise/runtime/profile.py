@@ -1,13 +1,12 @@
 """Measured time: per-node compute of a step graph, and exposed communication of a real step.
 
-``node_times`` runs a program node by node (an ``fx.Interpreter``), timing each compute node with
-CUDA events on a GPU and the wall clock on a CPU, and takes the maximum over ranks so that every
-rank holds the same numbers (the slowest rank sets the pace of a synchronous step). Collective
-starts and waits are not compute and are left out: the cost model times them with its α-β profile.
+``node_times`` runs a program node by node (an ``fx.Interpreter``), timing each compute node with CUDA events on a GPU
+and the wall clock on a CPU, and takes the maximum over ranks so that every rank holds the same numbers (the slowest
+rank sets the pace of a synchronous step). Collective starts and waits are not compute and are left out: the cost model
+times them with its α-β profile.
 
-``exposed_comm`` reads a ``torch.profiler`` trace of a real step: on GPUs, the time NCCL kernels run
-while no other kernel does; on gloo ranks, the time the main thread spends blocked in waits.
-"""
+``exposed_comm`` reads a ``torch.profiler`` trace of a real step: on GPUs, the time NCCL kernels run while no other
+kernel does; on gloo ranks, the time the main thread spends blocked in waits."""
 
 from __future__ import annotations
 

@@ -2,18 +2,15 @@
 
 What lives where, per strategy (``Ψ`` = parameter count, ``N`` = data-parallel ranks):
 
-=========  ==========================================  =================  =============
-strategy   parameters kept whole                       optimizer updates  its state
-=========  ==========================================  =================  =============
-ddp        the model's own parameters                  whole parameters   whole
-zero1/2    the model's (or a compute-dtype copy)       fp32 shards Ψ/N    sharded
-zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    sharded
-=========  ==========================================  =================  =============
+=========  ==========================================  =================  ============= strategy   parameters kept whole
+optimizer updates  its state =========  ==========================================  =================  ============= ddp
+the model's own parameters                  whole parameters   whole zero1/2    the model's (or a compute-dtype copy)
+fp32 shards Ψ/N    sharded zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    sharded =========
+==========================================  =================  =============
 
-Under a tp axis (``TensorParallel``) every parameter above is this rank's tp shard and the model's own
-weights go to ``meta``. ``keep_model`` keeps them (a state made before the tp plan is known); ``reuse``
-moves that state's optimizer over to this one.
-"""
+Under a tp axis (``TensorParallel``) every parameter above is this rank's tp shard and the model's own weights go to
+``meta``. ``keep_model`` keeps them (a state made before the tp plan is known); ``reuse`` moves that state's optimizer
+over to this one."""
 
 from __future__ import annotations
 
@@ -134,10 +131,9 @@ class ShardedState:
                         ranks: int) -> tuple[torch.Tensor, int]:
         """Scale gradients so that their global 2-norm is at most ``max_norm``; returns (norm, bytes sent).
 
-        Whole gradients (ddp) are the same on every rank: the norm is local. Shards need one
-        all-reduce of this rank's sum of squares (padding rows are zero and add nothing). The
-        scale is ``torch.nn.utils.clip_grad_norm_``'s: ``min(1, max_norm / (norm + 1e-6))``.
-        """
+        Whole gradients (ddp) are the same on every rank: the norm is local. Shards need one all-reduce of this rank's
+        sum of squares (padding rows are zero and add nothing). The scale is ``torch.nn.utils.clip_grad_norm_``'s:
+        ``min(1, max_norm / (norm + 1e-6))``."""
         gs = list(grads.values())
         tp = self.tp
         if tp is None and (self.strategy == "ddp" or ranks == 1):
@@ -164,8 +160,7 @@ class ShardedState:
         """zero1/2: all-gather the updated master shards into the whole compute copies.
 
         A parameter whose rows split evenly is gathered straight into its own storage (no temporary); the small or
-        padded rest go through one flat all-gather per dtype. Returns the bytes this rank sent.
-        """
+        padded rest go through one flat all-gather per dtype. Returns the bytes this rank sent."""
         if self.strategy not in ("zero1", "zero2"):
             return 0
         c10d = torch.ops._c10d_functional

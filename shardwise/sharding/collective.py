@@ -1,8 +1,7 @@
 """A collective in a rewritten step graph: what it moves, over which mesh axis, for which parameters.
 
-Passes put one ``Collective`` on each collective's start node (``node.meta["collective"]``); the cost
-model, the scheduler, ``explain`` and the tests read it back with ``collective_of``.
-"""
+Passes put one ``Collective`` on each collective's start node (``node.meta["collective"]``); the cost model, the
+scheduler, ``explain`` and the tests read it back with ``collective_of``."""
 
 from __future__ import annotations
 

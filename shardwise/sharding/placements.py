@@ -75,8 +75,7 @@ class ShardLayout:
 
     Dim 0 is padded up to a multiple of ``ranks``; rank r holds rows ``[r*rows, (r+1)*rows)``. A 0-dim parameter is
     treated as shape ``(1,)``. Padding rows are zeros and stay zero under elementwise optimizers (zero gradient, zero
-    state).
-    """
+    state)."""
 
     shape: tuple[int, ...]
     ranks: int
