@@ -4,8 +4,7 @@ For a batch it has not seen (its structure, constants, shapes and dtypes) and a 
 the compiler traces the single-device step (capture/), rewrites it for the strategy under the memory plan's share of the
 budget (passes/pipeline.py), hashes the captured graph and the final plan and has every rank agree on both (DESIGN.md
 invariant 2), then builds what runs it (runtime/executor.py). A compile error on one rank is told to the others before
-it is raised, so none waits in a collective for it.
-"""
+it is raised, so none waits in a collective for it."""
 
 from __future__ import annotations
 
@@ -281,7 +280,8 @@ class Compiler:
 
     def _traced_ep(self, batch, train: bool, tensors):
         """(The ep-local step of Hugging Face experts traced through ``hf_forwards``, the placements); its
-        dispatch the user's or, left open, ``dispatch_choice``'s by the room the graph has."""
+        dispatch the user's or, left open, ``dispatch_choice``'s by the room the graph has. With a tp axis its
+        last step (the ZeRO of the other parameters over ep, the means over ep) waits for the tp partition."""
         from .passes import ep as ep_pass
 
         ep = self.ep
@@ -292,7 +292,7 @@ class Compiler:
                                param_dtype=self.param_dtype, train=train, with_grads=train, device=self.device,
                                forwards=forwards, shapes=shapes, split=ep.split)
             return ep_pass.finish_traced(cap, counts, ep.ranks, ep.group.group_name, self.ctx.stage, factor,
-                                         shard_shared=self.strategy != "ddp", split=ep.split)
+                                         shard_shared=self.strategy != "ddp", split=ep.split, local=self.tp is None)
 
         if ep.capacity is not None or ep.dispatch_choice is not None:
             return trace(ep.factor)
@@ -340,9 +340,6 @@ class Compiler:
                 raise ValueError("ep_capacity_factor applies to Hugging Face experts; the built-in MoE takes its "
                                  "capacity from its config (capacity_factor=...)")
             placements, gather = {}, None  # by axis
-            if traced_ep and self.tp is not None:
-                raise ValueError("Hugging Face experts on a mesh with both ep and tp are not built yet (their split "
-                                 "is traced, before the tp partition): use ep or tp with them, or the built-in MoE")
             if traced_ep:  # experts split as traced (Hugging Face's)
                 cap, placements["ep"] = self._traced_ep(batch, train, tensors)
             else:
@@ -353,6 +350,10 @@ class Compiler:
                 cap, placements["tp"], gather = self._partition(cap)
             elif annotate.strip(cap.gm.graph):  # sw.shard marks mean nothing without a tp axis
                 cap.gm.recompile()
+            if traced_ep and self.tp is not None:  # the traced split's last step, on the tp-local step
+                cap, placements["ep"] = ep_pass.finish_local(cap, placements["ep"], self.ep.ranks,
+                                                             self.ep.group.group_name, self.ctx.stage,
+                                                             self.strategy != "ddp", self.ep.split)
             if self.ep is not None and not traced_ep:  # experts split by the graph's rewrite (of the tp-local step)
                 # the other parameters (their tp shards) cut over ep too: ZeRO over dp x ep
                 cap, placements["ep"] = ep_pass.partition(cap, self.ep.ranks, self.ep.group.group_name, self.ctx.stage,

@@ -1061,16 +1061,12 @@ def random_reference(spec, ws: int, steps: int = 2):
 
 def ep_refused(case: str):
     """A job the ep axis refuses: "dense" (the MoE's dense path: no batched expert products), "uneven"
-    (3 experts over ep=2), "hf-tp" (Hugging Face experts on ep x tp), "plan-none" / "plan-typo" (an ep_plan glob that
+    (3 experts over ep=2), "plan-none" / "plan-typo" (an ep_plan glob that
     names parameters no expert product reads, or none at all), "capacity" (ep_capacity_factor for the
     built-in MoE, which has its own), "split" (a batch of 2 rows in 3 parts)."""
     over = {"dense": {"capacity_factor": None}, "uneven": {"capacity_factor": 2.0, "n_expert": 3}}.get(
         case, {"capacity_factor": 2.0})
     plan = {"plan-none": ["blocks.*.attn.*"], "plan-typo": ["blocks.*.moe.*"]}.get(case)
-    if case == "hf-tp":
-        job = sw.compile(make_hf("mixtral-grouped_mm", "fp32"), optimizer=adamw, strategy="zero3",
-                         mesh=sw.mesh(ep=2, tp=2))
-        job.step(hf_batch(0, job.mesh.batch_rank()))
     job = sw.compile(make_model("moe", "fp64", **over), optimizer=adamw, strategy="zero3", mesh=sw.mesh(ep=2),
                      ep_plan=plan, ep_capacity_factor=1.25 if case == "capacity" else None,
                      ep_split=3 if case == "split" else 1)
@@ -1173,6 +1169,24 @@ def hf_ep_run(kind: str, strategy: str, steps: int, ep: int = 2, device: str = "
                  and not c.params)  # the experts' dispatch, not the other weights' ZeRO over ep
     shapes = {n: tuple(s) for n, s in zip(prog.capture.param_names, prog.capture.param_shapes) if "experts" in n}
     return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, cs, shapes, job.explain()
+
+
+def hf_ep_tp_run(kind: str, strategy: str, steps: int, **compile_kw):
+    """``hf_run`` (fp32) on a mesh of ep=2 x tp=2, each tp pair taking the batches of its ep rank: (losses,
+    full_state_dict, rank 0's step collectives by (axis, kind, phase, of parameters or not), layer 0's local
+    parameter shapes)."""
+    from collections import Counter
+
+    from shardwise.sharding.collective import collective_of
+
+    job = sw.compile(make_hf(kind, "fp32"), optimizer=adamw, strategy=strategy, mesh=sw.mesh(ep=2, tp=2),
+                     **compile_kw)
+    r = job.mesh.batch_rank()
+    losses = [float(job.step(hf_batch(s, r))) for s in range(steps)]
+    prog = job.programs()[0]
+    cs = Counter((c.axis, c.kind, c.phase, bool(c.params)) for c in map(collective_of, prog.collective_nodes()))
+    shapes = {n: tuple(s) for n, s in zip(prog.capture.param_names, prog.capture.param_shapes) if ".layers.0." in n}
+    return losses, {k: v.cpu() for k, v in job.full_state_dict().items()}, cs, shapes
 
 
 def hf_ep_dispatch(kind: str, steps: int, budget: int):

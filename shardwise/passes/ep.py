@@ -545,12 +545,13 @@ _AUTOGRAD = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "r
 
 
 def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, stage: str | None = None,
-                  capacity: float | None = None, shard_shared: bool = False,
-                  split: int = 1) -> tuple[Capture, dict[str, Shard]]:
+                  capacity: float | None = None, shard_shared: bool = False, split: int = 1,
+                  local: bool = True) -> tuple[Capture, dict[str, Shard]]:
     """The ep-local step traced through ``hf_forwards``: its collectives made the plain functional ones
     the passes read (named, by kind, phase and bytes, on the ep axis; with ``stage``, their payloads
     copied there and back, as gloo ranks on a GPU need), and the other gradients and the loss
-    averaged over the ep ranks (``partition``'s last step)."""
+    averaged over the ep ranks (``partition``'s last step). ``local=False`` leaves that last step to
+    ``finish_local``, once the tp axis has partitioned the step (its ZeRO over ep cuts tp-local shards)."""
     from ..capture import forward_nodes
 
     gm = copy.deepcopy(cap.gm)
@@ -575,7 +576,7 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, 
                                      axis="ep", reason=what if n in fwd else f"gradients: {what}"))
         _staged(g, n, stage)
     params = dict(zip(g.find_nodes(op="placeholder")[: cap.n_params], cap.param_names))
-    shared = _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared, split)
+    shared = _finish_local(g, cap, params, counts, ranks, group, stage, shard_shared, split) if local else {}
     g.lint()
     gm.recompile()
     by_module: dict[str, list[str]] = {}
@@ -589,3 +590,18 @@ def finish_traced(cap: Capture, counts: dict[str, int], ranks: int, group: str, 
     shapes = [torch.Size(shared[n].local_shape) if n in shared else s for n, s in zip(cap.param_names, cap.param_shapes)]
     return (dataclasses.replace(cap, gm=gm, param_shapes=shapes, moe_layers=layers),
             {n: Shard(0) for n in {**counts, **shared}})
+
+
+def finish_local(cap: Capture, experts, ranks: int, group: str, stage: str | None = None, shard_shared: bool = False,
+                 split: int = 1) -> tuple[Capture, dict[str, Shard]]:
+    """``finish_traced``'s last step (``_finish_local``) on ``cap``, a step traced with ``local=False`` and since
+    partitioned over tp: ``experts`` names the parameters the trace split over ep."""
+    gm = copy.deepcopy(cap.gm)
+    g = gm.graph
+    params = dict(zip(g.find_nodes(op="placeholder")[: cap.n_params], cap.param_names))
+    shared = _finish_local(g, cap, params, set(experts), ranks, group, stage, shard_shared, split)
+    g.lint()
+    gm.recompile()
+    shapes = [torch.Size(shared[n].local_shape) if n in shared else s
+              for n, s in zip(cap.param_names, cap.param_shapes)]
+    return dataclasses.replace(cap, gm=gm, param_shapes=shapes), {n: Shard(0) for n in {*experts, *shared}}
