@@ -14,12 +14,11 @@ from .errors import size_text
 def train_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a built-in model with a sharding strategy",
-        description="Train a built-in model. Spawns --nproc gloo ranks on this machine unless run under "
-        "torchrun, where it uses NCCL on GPUs. One line per step on rank 0: loss (mean over ranks), tokens/s, "
-        "per-rank peak memory (CUDA max allocated; on CPU the MemTracker live-tensor peak, measured every "
-        "--mem-every steps and marked with the step it was measured at), bytes each rank sent, the cost "
-        "model's predicted step time (compute measured per node after step 2) and the exposed communication "
-        "measured with torch.profiler at step 3.",
+        description="Train a built-in model. Spawns --nproc gloo ranks on this machine unless run under torchrun, "
+        "where it uses NCCL on GPUs. One line per step on rank 0: loss (mean over ranks), tokens/s, per-rank peak "
+        "memory (CUDA max allocated; on CPU the MemTracker live-tensor peak, measured every --mem-every steps and "
+        "marked with the step it was measured at), bytes each rank sent, the cost model's predicted step time (compute "
+        "measured per node after step 2) and the exposed communication measured with torch.profiler at step 3.",
     )
     model_args(p)
     optimizer_args(p)
@@ -50,9 +49,8 @@ def train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint-dir, on any number of ranks")
     p.add_argument("--timeout", type=float, default=100.0, metavar="S",
-                   help="seconds a step may wait on other ranks (six times that while compiling); a rank that "
-                        "waits longer names the rank that failed or stalled and the step, and every rank exits "
-                        "(default 100)")
+                   help="seconds a step may wait on other ranks (six times that while compiling); a rank that waits "
+                        "longer names the rank that failed or stalled and the step, and every rank exits (default 100)")
     p.add_argument("--compile", choices=["fx", "inductor"], default="fx", help="executor of the step graph")
     p.add_argument("--data", default=None, help="train byte-level on this text file (default: synthetic stream)")
     p.add_argument("--mem-every", type=int, default=10,

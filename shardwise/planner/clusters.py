@@ -71,9 +71,8 @@ NODES = {
     "a100-800g": (A100, 8, NVLINK3, Level("800 Gb/s per node", 12.5e9, 14e-6)),
 }
 
-# TPUs (Cloud TPU documentation, jax-ml/scaling-book; shared/notes/cost-models.md §2): the chip (the
-# device table's), one-way ICI bandwidth per link, torus rank, the axis length that carries a
-# wraparound link (a full axis)
+# TPUs (Cloud TPU documentation, jax-ml/scaling-book; shared/notes/cost-models.md §2): the chip (the device table's),
+# one-way ICI bandwidth per link, torus rank, the axis length that carries a wraparound link (a full axis)
 TPUS = {"tpu-v4": (DEVICES["tpu-v4"], 4.5e10, 3, 4), "tpu-v5p": (DEVICES["tpu-v5p"], 9e10, 3, 4),
         "tpu-v5e": (DEVICES["tpu-v5e"], 5e10, 2, 16), "tpu-v6e": (DEVICES["tpu-v6e"], 1e11, 2, 16)}
 ICI_HOP_S = 1e-6  # about 1 µs per hop (scaling-book)
@@ -97,8 +96,7 @@ def _tpu(spec: str, name: str, shape: str) -> ClusterSpec:
                          + ", and several slices NAME:AxBxC*SLICES") from None
     if slices < 1 or (slices > 1 and name not in DCN):
         raise ValueError(f"cluster {spec!r}: " + ("slices must be at least 1" if slices < 1 else
-                         f"the data-center network between {name} slices is not known; multi-slice: "
-                         f"{', '.join(DCN)}"))
+                         f"the data-center network between {name} slices is not known; multi-slice: {', '.join(DCN)}"))
     if len(sizes) != rank or min(sizes) < 1:
         raise ValueError(f"cluster {spec!r}: {name} is a {rank}-D torus: give {rank} axis lengths")
     # along an axis with a wraparound link a ring sends both ways: twice the link's one-way bandwidth

@@ -3,41 +3,36 @@
 Layout of ranks (Megatron's): tensor parallel innermost (inside a node), then pipeline stages,
 then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
 
-- compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward under
-  full recomputation, all of it but each dense layer's down projection under block, the attention core
-  under selective) over the GPUs, at the accelerator's fitted share of the datasheet peak
-  (costmodel.Device.efficiency) or, where its products and flash attention were measured by shape (the
-  H200), at a fitted share of those rates (the products' at the layer's width, tp and tokens per
-  micro-batch; attention's at the sequence, on the FLOPs it executes), plus the memory-bound kernels'
-  bytes (norms, activations, residual adds, unfused attention scores: models.ModelSpec.elementwise_bytes)
-  at its share of HBM bandwidth, and the framework's own kernels (FSDP2's copy-in and copy-out);
-- tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the
-  forward and two in the backward (four all-gathers / reduce-scatters with sequence parallelism, the
-  same bytes), two more under full recomputation (block: one, 1.5 with sequence parallelism, where
-  the rerun MLP input is all-gathered again); not overlapped (Megatron's default) unless
-  ``tp_exposed`` says what share stays exposed (XLA on TPUs overlaps it);
+- compute: FLOPs of the step (6 per active weight per token + attention, plus one more forward under full recomputation,
+  all of it but each dense layer's down projection under block, the attention core under selective) over the GPUs, at
+  the accelerator's fitted share of the datasheet peak (costmodel.Device.efficiency) or, where its products and flash
+  attention were measured by shape (the H200), at a fitted share of those rates (the products' at the layer's width, tp
+  and tokens per micro-batch; attention's at the sequence, on the FLOPs it executes), plus the memory-bound kernels'
+  bytes (norms, activations, residual adds, unfused attention scores: models.ModelSpec.elementwise_bytes) at its share
+  of HBM bandwidth, and the framework's own kernels (FSDP2's copy-in and copy-out);
+- tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the forward and two in the
+  backward (four all-gathers / reduce-scatters with sequence parallelism, the same bytes), two more under full
+  recomputation (block: one, 1.5 with sequence parallelism, where the rerun MLP input is all-gathered again); not
+  overlapped (Megatron's default) unless ``tp_exposed`` says what share stays exposed (XLA on TPUs overlaps it);
 - pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute;
-- data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the
-  updated shards; zero 3 adds the forward and backward all-gathers), overlapped with the backward
-  (with a pipeline, the last micro-batch's backward) but for the last bucket's share
-  (``dp_exposed``), and all of what outlasts that compute; ZeRO-3 without a pipeline layer by layer
-  on the two-lane simulation instead (timeline.py: each layer's gathers and reduction, one layer of
-  prefetch, what the compute lane waits);
+- data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the updated shards; zero
+  3 adds the forward and backward all-gathers), overlapped with the backward (with a pipeline, the last micro-batch's
+  backward) but for the last bucket's share (``dp_exposed``), and all of what outlasts that compute; ZeRO-3 without a
+  pipeline layer by layer on the two-lane simulation instead (timeline.py: each layer's gathers and reduction, one layer
+  of prefetch, what the compute lane waits);
 - optimizer: memory-bound AdamW over this GPU's shard at the memory-bound kernels' share of HBM
   bandwidth, 7 passes over its fp32 bytes fused, 20 multi-tensor (as measured: bench/planner/update_sweep.py).
 
-Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 bytes per parameter,
-the ZeRO paper's mixed-precision figure), divided as the ZeRO stage says; activations per layer
-per Korthikanti et al. 2022, term by term (models.ModelSpec.layer_activation_bytes: their
-``s·b·h·(34 + 5·a·s/h)`` for Megatron's GPT with the attention scores kept, 34·s·b·h without them,
-2·s·b·h under full and block recomputation; divided by ``tp`` with sequence parallelism), times the
-micro-batches in flight on the first stage (1F1B: ``pp``), plus the fp32 logits of the loss
-(4·s·b·v/t) where one stage holds the whole model. That is Megatron's layout, every part held at once.
-PyTorch's (``Strategy.stack``: FSDP2, DDP, shardwise) holds fp32 weights, gradients and moments
-(4 + 4 + 8 bytes), makes 16-bit copies of the weights for compute and frees the gradients after each
-step, so its peak is the largest of three moments: the forward's end (copies and activations, counted
-as measured of torch.compile, eager PyTorch and autocast: models.TORCH_ACTIVATIONS), the backward's
-end (copies and gradients) and the optimizer step (gradients and the multi-tensor AdamW's temporary).
+Memory per GPU: bf16 weights and gradients and fp32 master + Adam moments (16 bytes per parameter, the ZeRO paper's
+mixed-precision figure), divided as the ZeRO stage says; activations per layer per Korthikanti et al. 2022, term by term
+(models.ModelSpec.layer_activation_bytes: their ``s·b·h·(34 + 5·a·s/h)`` for Megatron's GPT with the attention scores
+kept, 34·s·b·h without them, 2·s·b·h under full and block recomputation; divided by ``tp`` with sequence parallelism),
+times the micro-batches in flight on the first stage (1F1B: ``pp``), plus the fp32 logits of the loss (4·s·b·v/t) where
+one stage holds the whole model. That is Megatron's layout, every part held at once. PyTorch's (``Strategy.stack``:
+FSDP2, DDP, shardwise) holds fp32 weights, gradients and moments (4 + 4 + 8 bytes), makes 16-bit copies of the weights
+for compute and frees the gradients after each step, so its peak is the largest of three moments: the forward's end
+(copies and activations, counted as measured of torch.compile, eager PyTorch and autocast: models.TORCH_ACTIVATIONS),
+the backward's end (copies and gradients) and the optimizer step (gradients and the multi-tensor AdamW's temporary).
 """
 
 from __future__ import annotations
@@ -217,9 +212,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     layer_matmul = model.layer_params(True) - 2 * h  # weights a token multiplies in one layer
     extra = {"none": 0.0, "selective": 4.0 * L * model.q_dim * seq,
              "selective-op": L * layer_matmul,  # half of the layers' forward matrix products (2 FLOPs a weight)
-             # the forward's products but a dense layer's down projection, and attention's forward
-             # (12·L·d·T / 3); an MoE layer's gate multiply saves each expert's output, so the experts'
-             # down projections are rerun too
+             # the forward's products but a dense layer's down projection, and attention's forward (12·L·d·T / 3); an
+             # MoE layer's gate multiply saves each expert's output, so the experts' down projections are rerun too
              "block": L * (2.0 * (layer_matmul - (model.ffn * h if model.experts == 1 else 0))
                            + 4.0 * model.q_dim * seq),
              "full": fpt / 3.0}[st.recompute]
@@ -427,8 +421,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         + f" = {g(dp_exposed)} s"),
         f"optimizer ({'multi-tensor' if st.foreach else 'fused'} AdamW) = "
         f"{4 * PASSES['unfused-adam' if st.foreach else 'fused']} B x {g(opt_params)} params / ({g(acc.hbm_bw)} B/s · "
-        f"{acc.mem_eff}) "
-        f"= {g(optimizer)} s",
+        f"{acc.mem_eff}) = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
         + (f" + logits {logit_bytes:g}·s·b·v/tp = {g(logits)} B" if logits else ""),

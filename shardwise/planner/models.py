@@ -131,9 +131,8 @@ class ModelSpec:
         """HBM bytes one token moves through one layer's memory-bound (non-matmul) kernels on one
         tensor-parallel rank in a training step, counted from the kernels of an unfused 16-bit layer:
 
-        - forward, hidden-sized: two norms (read + write, 4·h each), two residual adds with their
-          dropout (read two, write one, mask: 7·h each; 6·h without dropout); whole on every rank
-          unless sequence parallel;
+        - forward, hidden-sized: two norms (read + write, 4·h each), two residual adds with their dropout (read two,
+          write one, mask: 7·h each; 6·h without dropout); whole on every rank unless sequence parallel;
         - forward, MLP activation: GeLU reads and writes ffn (4·ffn), a gated unit reads two and
           writes one (6·ffn; MoE: per routed expert); split over ``tp``;
         - forward, attention scores when not fused (flash attention has none): the score matmul's
