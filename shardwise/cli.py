@@ -10,12 +10,10 @@ from .errors import size_text
 
 def _explain_parser(sub) -> None:
     p = sub.add_parser(
-        "explain",
-        help="compile a built-in model and print the plan: placements, collectives, predicted step",
+        "explain", help="compile a built-in model and print the plan: placements, collectives, predicted step",
         description="Compiles the model as `train` would (same flags), runs one step so every program "
         "exists, and prints job.explain() on rank 0: per-parameter placement, each collective with its "
-        "bytes and predicted time, and the predicted step time (roofline compute, alpha-beta collectives).",
-    )
+        "bytes and predicted time, and the predicted step time (roofline compute, alpha-beta collectives).")
     model_args(p)
     optimizer_args(p)
     mesh_args(p)
@@ -104,8 +102,7 @@ def memory_kw(args) -> dict:
     budget = args.memory_budget
     return {"memory_budget": budget, "offload_optimizer": {None: False, "fit": True, "all": "all"}[args.offload_optimizer],
             "recompute": args.recompute, "offload_activations": args.offload_activations,
-            "offload_host_update": args.host_update,
-            "fused_optimizer": False if args.no_fused_optimizer else None,
+            "offload_host_update": args.host_update, "fused_optimizer": False if args.no_fused_optimizer else None,
             "overlap_update": args.overlap_update, "matmul_sm_carveout": args.matmul_sm_carveout}
 
 
@@ -195,9 +192,8 @@ def mesh_args(p) -> None:
                    help="with --ep: each micro-batch as N interleaved parts (one's all-to-alls under another's compute)")
     p.add_argument("--sp", action="store_true",
                    help="with --tp: sequence parallelism (the residual stream and norms in sequence shards)")
-    p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto",
-                   help="with --tp: cut the untied LM head by classes (on), keep it whole (off), or as the "
-                        "cost model predicts faster (auto, default)")
+    p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto", help="with --tp: cut the untied "
+                   "LM head by classes (on), keep it whole (off), or as the cost model predicts faster (auto, default)")
     p.add_argument("--tp-fuse", choices=["auto", "off", "ring", "kernel"], default="auto",
                    help="with --tp: products beside their tp collectives run fused with them (ring: decomposed, "
                         "any device; kernel: Triton over symmetric memory), or as the cost model predicts faster (auto)")
@@ -228,9 +224,8 @@ def optimizer_args(p) -> None:
     """Flags of the jobs ``train`` and ``explain`` build (bench sets them per system: ``shardwise:fused=0``)."""
     p.add_argument("--no-fused-optimizer", action="store_true",
                    help="step AdamW with torch's default kernel; by default shardwise uses the fused one on CUDA")
-    p.add_argument("--overlap-update", action="store_true",
-                   help="zero3: update in chunks in forward order, on CUDA on a stream of its own, the next "
-                        "step's forward starting while later chunks update")
+    p.add_argument("--overlap-update", action="store_true", help="zero3: update in chunks in forward order, on CUDA on "
+                   "a stream of its own, the next step's forward starting while later chunks update")
     p.add_argument("--matmul-sm-carveout", type=carveout_arg, default="auto", metavar="auto|SMS|off",
                    help="CUDA: matrix products running beside a collective leave SMs free for its kernels; "
                         "auto (default): 32 where the cost model predicts a faster step; SMS: that many "
@@ -241,13 +236,11 @@ def _bench_parser(sub) -> None:
     from shardwise.bench import SYSTEMS
 
     p = sub.add_parser(
-        "bench",
-        help="shardwise and its peers (torch.compile, DDP, FSDP2, DeepSpeed) on one model, in one run",
+        "bench", help="shardwise and its peers (torch.compile, DDP, FSDP2, DeepSpeed) on one model, in one run",
         description="Runs each system on the same built-in model, batch, precision and checkpointing setting, "
         "one after another on the same ranks, and writes JSON (step time, tokens/s per GPU, MFU, peak memory, "
         "exposed communication, shardwise's predictions) and a bar plot to --out. Under torchrun on GPUs it "
-        "uses NCCL; otherwise it spawns --nproc gloo ranks on this machine.",
-    )
+        "uses NCCL; otherwise it spawns --nproc gloo ranks on this machine.")
     model_args(p)
     mesh_args(p)
     p.add_argument("--systems", default="shardwise,shardwise-noopt,compile,ddp,fsdp2",
@@ -281,9 +274,8 @@ def bench_config(args):
     return BenchConfig(model=args.model, size=args.size, batch=args.batch, seq=args.seq, precision=args.precision,
                        checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
                        warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
-                       memory_fraction=args.memory_fraction, link_profile=args.link_profile,
-                       trace_dir=args.trace_dir, memory_sites=args.memory_sites,
-                       system_timeout=args.system_timeout, tp=args.tp, sp=args.sp,
+                       memory_fraction=args.memory_fraction, link_profile=args.link_profile, trace_dir=args.trace_dir,
+                       memory_sites=args.memory_sites, system_timeout=args.system_timeout, tp=args.tp, sp=args.sp,
                        vocab_parallel=None if args.vocab_parallel == "auto" else args.vocab_parallel == "on",
                        capacity_factor=args.capacity_factor)
 
@@ -303,13 +295,11 @@ def bench_main(args) -> None:
 
 def _calibrate_parser(sub) -> None:
     p = sub.add_parser(
-        "calibrate",
-        help="measure collective latency and bandwidth on this machine's process group",
+        "calibrate", help="measure collective latency and bandwidth on this machine's process group",
         description="Times all-gather, reduce-scatter and all-reduce over message sizes on the current "
         "process group (gloo on spawned CPU ranks, NCCL under torchrun on GPUs, timed with CUDA events), "
         "fits alpha (latency) and bus bandwidth per collective, and writes a JSON profile that "
-        "shardwise.compile(link_profile=PATH) and explain use.",
-    )
+        "shardwise.compile(link_profile=PATH) and explain use.")
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
     p.add_argument("--out", default="link_profile.json", help="where to write the profile (JSON)")
     p.add_argument("--min-bytes", type=int, default=1 << 10, help="smallest message (default 1 KiB)")
@@ -355,12 +345,10 @@ def calibrate_main(args) -> None:
 
 def _plan_parser(sub) -> None:
     p = sub.add_parser(
-        "plan",
-        help="predict step time, memory per GPU and MFU of a job on a cluster (no GPU needed)",
+        "plan", help="predict step time, memory per GPU and MFU of a job on a cluster (no GPU needed)",
         description="Predicts one optimizer step of a model on a cluster under a parallel strategy with "
         "shardwise's cost model: compute, tensor-parallel and data-parallel communication, pipeline bubble, "
-        "optimizer; memory per GPU (weights, gradients, optimizer state, activations); tokens/s and MFU.",
-    )
+        "optimizer; memory per GPU (weights, gradients, optimizer state, activations); tokens/s and MFU.")
     p.add_argument("--model", help="preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
                    "gpt3-175b) or a Hugging Face config.json")
     p.add_argument("--cluster", help="NODE:COUNT, e.g. dgx-h100:32 (nodes of 8 GPUs); @WATTS caps power: dgx-h100:32@500W")
@@ -379,9 +367,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each sequence cut over this many ranks (ring attention)")
-    p.add_argument("--capacity", type=float, default=1.0,
-                   help="MoE expert capacity factor: experts compute on this many times their routed tokens "
-                        "(capacity dispatch, e.g. 1.25; default 1: exact top-k)")
+    p.add_argument("--capacity", type=float, default=1.0, help="MoE expert capacity factor: experts compute on this "
+                   "many times their routed tokens (capacity dispatch, e.g. 1.25; default 1: exact top-k)")
     p.add_argument("--shard", type=int, default=None,
                    help="hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (e.g. a "
                         "node's GPUs) and the groups all-reduce their gradient shards (default: one group)")
@@ -462,10 +449,9 @@ def plan_main(args) -> None:
         st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
-                      capacity=args.capacity, fused_attention=not args.unfused_attention,
-                      tp_exposed=args.tp_exposed, dp_exposed=args.dp_exposed, rank_order=args.rank_order,
-                      reduce_fp32=args.reduce_fp32, cp=args.cp, eager=args.eager,
-                      stack=args.stack, foreach=args.foreach, framework=args.framework)
+                      capacity=args.capacity, fused_attention=not args.unfused_attention, tp_exposed=args.tp_exposed,
+                      dp_exposed=args.dp_exposed, rank_order=args.rank_order, reduce_fp32=args.reduce_fp32, cp=args.cp,
+                      eager=args.eager, stack=args.stack, foreach=args.foreach, framework=args.framework)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:

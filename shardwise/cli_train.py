@@ -18,8 +18,7 @@ def train_parser(sub) -> None:
         "where it uses NCCL on GPUs. One line per step on rank 0: loss (mean over ranks), tokens/s, per-rank peak "
         "memory (CUDA max allocated; on CPU the MemTracker live-tensor peak, measured every --mem-every steps and "
         "marked with the step it was measured at), bytes each rank sent, the cost model's predicted step time (compute "
-        "measured per node after step 2) and the exposed communication measured with torch.profiler at step 3.",
-    )
+        "measured per node after step 2) and the exposed communication measured with torch.profiler at step 3.")
     model_args(p)
     optimizer_args(p)
     mesh_args(p)
@@ -34,9 +33,8 @@ def train_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=0, help="warm-up steps of the cosine schedule (default 0)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="every K steps, the loss on held-out batches (eval mode, no state change); 0: never")
-    p.add_argument("--export", default=None,
-                   help="after training, write the consolidated weights (keys of model.state_dict()) to this "
-                        "file with torch.save, atomically")
+    p.add_argument("--export", default=None, help="after training, write the consolidated weights (keys of "
+                   "model.state_dict()) to this file with torch.save, atomically")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="write sharded checkpoints (DCP) to DIR/step-N: model, optimizer, LR schedule, step, RNG "
                         "and data position; each published by rename once complete")

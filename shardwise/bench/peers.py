@@ -146,9 +146,8 @@ def _deepspeed(system, cfg, model, device):
     opts = options(system)
     name = system.split(":")[0]
     zero: dict = {"stage": 3}
-    conf = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1,
-            "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}},
-            "bf16": {"enabled": cfg.precision == "bf16"}}
+    conf = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}}, "bf16": {"enabled": cfg.precision == "bf16"}}
     if name == "deepcompile":
         conf["compile"] = {"deepcompile": True, "offload_opt_states": bool(opts.get("ds_offload"))}
     elif opts.get("ds_offload"):

@@ -129,8 +129,7 @@ DEVICES = {
     "h100": Device("h100", 700e12, 3.0e12, 989e12, 80e9, 3.35e12, eff_max=H100_EFF_MAX, label="H100 SXM",
                    match=("h100",), tdp=700.0),
     "h100-pcie": _datasheet("h100-pcie", "H100 PCIe", 756e12, 80e9, 2.0e12, eff_max=H100_EFF_MAX),
-    "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",),
-                   tdp=400.0),
+    "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",), tdp=400.0),
     # TPUs (Cloud TPU documentation, jax-ml/scaling-book). v5p's share is fitted on one run: MaxText's 32B
     # model on v5p-128; v5e's on its 16B model on one v5e-256 with full remat, planned as per-layer
     # (block) recomputation (planner/validation.py); v4 and v6e use the A100's

@@ -247,5 +247,4 @@ def from_builtin(model) -> ModelSpec:
     return ModelSpec(type(model).__name__.lower(), c.n_layer, c.d_model, c.n_head, getattr(c, "n_kv_head", c.n_head),
                      4 * c.d_model if gpt else c.ffn, c.vocab, seq=c.seq, gated=not gpt, tied=gpt and c.tie,
                      experts=getattr(c, "n_expert", 1), top_k=getattr(c, "top_k", 1) if hasattr(c, "n_expert") else 1,
-                     bias=gpt and c.bias, learned_positions=c.seq if gpt else 0,
-                     dropout=gpt and c.dropout > 0)
+                     bias=gpt and c.bias, learned_positions=c.seq if gpt else 0, dropout=gpt and c.dropout > 0)
