@@ -8,8 +8,7 @@
 - under optimizer offload, which state stays on the device (``plan_residency``): each byte kept
   there is a byte less to move each way per step;
 - the check of a measured step against the plan (``check``): a peak over the budget or more than 10%
-  off its prediction makes the plan again with the gap held back.
-"""
+  off its prediction makes the plan again with the gap held back."""
 
 from __future__ import annotations
 
@@ -102,12 +101,11 @@ class MemoryPlan:
         left = self.budget - held - self.slack
         if left <= 0:
             zero3 = self.state.strategy == "zero3"
-            raise BudgetError(
-                f"memory_budget {size_text(self.budget)} is less than the state this rank holds between steps "
-                f"({size_text(held)}: weights, master shards, optimizer state); use more ranks"
-                + ("" if zero3 else " or strategy='zero3'")
-                + (", offload_optimizer=True (master shards and optimizer state in host memory)"
-                   if zero3 and st is None else "") + ", or raise the budget")
+            raise BudgetError(f"memory_budget {size_text(self.budget)} is less than the state this rank holds between "
+                              f"steps ({size_text(held)}: weights, master shards, optimizer state); use more ranks"
+                              + ("" if zero3 else " or strategy='zero3'")
+                              + (", offload_optimizer=True (master shards and optimizer state in host memory)"
+                                 if zero3 and st is None else "") + ", or raise the budget")
         # under offload, optimizer state claims the headroom before any parameter is kept gathered
         reserve = sum(st.param_bytes(n) for n in st.params) if st is not None and not self.offload_all else 0
         return left, reserve

@@ -96,6 +96,7 @@ class BenchConfig:
             raise ValueError("bench: --steps and --warmup must be at least 1 (the first step compiles)")
 
 
+# options a shardwise system may carry after a colon: ``shardwise:ops=1+inflight_mb=64+bucket_mb=128``
 SHARDWISE_OPTIONS = {"ops": ("max_in_flight_ops", int), "inflight_mb": ("max_in_flight_mb", float),
             "bucket_mb": ("shard_bucket_mb", float), "executor": ("compile", str),
             "offload": ("offload_optimizer", lambda v: "all" if v == "all" else bool(int(v))),

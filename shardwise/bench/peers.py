@@ -120,18 +120,16 @@ def tensor_parallel(model, cfg: BenchConfig, device):
     parallelize_module(model, mesh["tp"], {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         **({"norm": SequenceParallel()} if cfg.sp else {}),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
-    })
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)})
     for blk in model.blocks:
         plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
                 "attn.wo": RowwiseParallel(output_layouts=seq),
                 "ffn.w1": ColwiseParallel(), "ffn.w3": ColwiseParallel(), "ffn.w2": RowwiseParallel(output_layouts=seq)}
         if cfg.sp:
-            plan.update({
-                "attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                           desired_input_layouts=(Replicate(), None, None)),
-                "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+            plan.update({"attn_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                         "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                    desired_input_layouts=(Replicate(), None, None)),
+                         "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
         parallelize_module(blk, mesh["tp"], plan)
         blk.attn.n_head //= tp
         blk.attn.n_kv //= tp
@@ -165,6 +163,3 @@ def _deepspeed(system, cfg, model, device):
         return loss.detach()
 
     return step, opt
-
-
-# options a shardwise system may carry after a colon: ``shardwise:ops=1+inflight_mb=64+bucket_mb=128``

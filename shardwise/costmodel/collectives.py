@@ -18,8 +18,7 @@ reduce-scatter input, the all-reduce buffer) costs
 ``f`` is 2 for an all-reduce (a reduce-scatter and an all-gather) and 1 otherwise; ``busbw`` is what nccl-tests call bus
 bandwidth, so published figures drop in as they are. A calibrated ``LinkProfile`` (per-kind α per call and bus
 bandwidth, measured over one group) is a one-level topology: the compiler, the memory plan and ``shardwise plan`` all
-time collectives here.
-"""
+time collectives here."""
 
 from __future__ import annotations
 
@@ -276,8 +275,7 @@ PRESETS = {
     "nvlink-8gpu": LinkProfile.of(Topology("8-GPU NVSwitch node", ((8, NVLINK4),)), 8, "nvlink-8gpu",
                                   "8xH100/H200 NVSwitch: ring busbw 370 GB/s, NVLS all-reduce, 3.4 µs per step "
                                   "(shared/notes/cost-models.md §2)"),
-    "cpu-gloo": _per_kind("cpu-gloo", (150e-6,) * 3, (1e9,) * 3, "rough default for gloo over loopback"),
-}
+    "cpu-gloo": _per_kind("cpu-gloo", (150e-6,) * 3, (1e9,) * 3, "rough default for gloo over loopback")}
 
 
 def fit(samples: list[tuple[int, float]], kind: str, n: int) -> tuple[float, float]:
@@ -330,8 +328,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, sizes: list[int], 
             "all_reduce": lambda: c10d.wait_tensor(c10d.all_reduce(full, "sum", gname)),
             # one rank's whole buffer, an equal block to every rank (the ep axis's dispatch and combine)
             "all_to_all": lambda: c10d.wait_tensor(c10d.all_to_all_single(full, [numel // n] * n, [numel // n] * n,
-                                                                          gname)),
-        }
+                                                                          gname))}
         for k, fn in ops.items():
             t = torch.tensor([_timed(fn, device, iters)], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -137,8 +137,7 @@ DEVICES = {
     "tpu-v5p": _datasheet("tpu-v5p", "TPU v5p", 459e12, 95e9, 2.76e12, eff_max=0.753),
     "tpu-v5e": _datasheet("tpu-v5e", "TPU v5e", 197e12, 16e9, 0.82e12, eff_max=0.824),
     "tpu-v6e": _datasheet("tpu-v6e", "TPU v6e", 918e12, 32e9, 1.64e12),
-    "cpu": Device("cpu", 50e9, 10e9, host=CPU_POOL, label="CPU"),
-}
+    "cpu": Device("cpu", 50e9, 10e9, host=CPU_POOL, label="CPU")}
 
 
 def cuda_device(name: str) -> Device:

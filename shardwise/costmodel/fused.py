@@ -8,8 +8,7 @@
 - ``kernel``: the Triton kernels over symmetric memory (kernels/ag_gemm.py, kernels/gemm_rs.py): the copy engines move
   the shards while one persistent product runs at ``efficiency`` of the library's rate; all-gather+GEMM starts on the
   local shard, GEMM+reduce-scatter ends with a reduction of the ``p`` partial blocks at memory bandwidth; two barriers a
-  call; never faster than its launcher's host time.
-"""
+  call; never faster than its launcher's host time."""
 
 from __future__ import annotations
 

@@ -74,4 +74,3 @@ def measure(device: torch.device, nbytes: int = 256 * 2**20, iters: int = 5) -> 
     src = f"measured on {torch.cuda.get_device_name(device) if cuda else 'CPU (memcpy)'}, {nbytes >> 20} MiB copies, " \
           f"{time.strftime('%Y-%m-%d')}"
     return HostLink(nbytes / t_in, nbytes / t_out, 2 * nbytes / t_both, src)
-

@@ -98,8 +98,7 @@ def liveness(gm: fx.GraphModule, fused: bool = False, cpu_code: bool | None = No
 
     Against inductor's generated code on CPU (``runtime.memory.inductor_wrapper_peak``, small Llama and GPT steps, bf16
     and fp32, checkpointed, zero3 and ddp) it is within 5%; on H200s (1.1B Llama, 2026-11-30) the measured peaks were
-    0.4-2.5% from it (re-predicted after the sittings). A model, not a measurement.
-    """
+    0.4-2.5% from it (re-predicted after the sittings). A model, not a measurement."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     out = gm.graph.find_nodes(op="output")[0]

@@ -62,14 +62,12 @@ NODES = {
     # our two-GPU bench machine (NV18): the link `shardwise calibrate` measured over NCCL on it, the
     # compiler's default link profile on NCCL (costmodel.PRESETS["h200-nv18-x2"])
     "h200-nv18-x2": (H200, 2, PRESETS["h200-nv18-x2"].level("NVLink NV18"), None),
-    "dgx-h100": (H100, 8, NVLINK4, IB_NDR),
-    "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
+    "dgx-h100": (H100, 8, NVLINK4, IB_NDR), "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
     "dgx-a100": (A100, 8, NVLINK3, IB_HDR),
     # a PCIe-only server: 8 H100 PCIe without NVLink bridges, one NDR NIC per 2 GPUs between servers
     "pcie-h100": (H100_PCIE, 8, PCIE5_HOST, Level("InfiniBand NDR 400G per 2 GPUs", 23.5e9, 14e-6)),
     # the A100 cluster of vTrain's measurements (its validation configs: 800 Gb/s per 8-GPU node)
-    "a100-800g": (A100, 8, NVLINK3, Level("800 Gb/s per node", 12.5e9, 14e-6)),
-}
+    "a100-800g": (A100, 8, NVLINK3, Level("800 Gb/s per node", 12.5e9, 14e-6))}
 
 # TPUs (Cloud TPU documentation, jax-ml/scaling-book; shared/notes/cost-models.md §2): the chip (the device table's),
 # one-way ICI bandwidth per link, torus rank, the axis length that carries a wraparound link (a full axis)

@@ -182,8 +182,7 @@ MODELS = {
     "mixtral-8x7b": ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, seq=4096, experts=8, top_k=2),
     # GPT-3 175B (Brown et al. 2020): GELU MLP, biases, learned positions, tied embedding
     "gpt3-175b": ModelSpec("gpt3-175b", 96, 12288, 96, 96, 4 * 12288, 50257, seq=2048, gated=False, tied=True,
-                           bias=True, learned_positions=2048, dropout=True),
-}
+                           bias=True, learned_positions=2048, dropout=True)}
 
 
 NON_GATED = {"gpt2", "gpt_bigcode", "gptj", "gpt_neox", "opt", "bloom", "falcon", "phi"}  # a two-matrix MLP

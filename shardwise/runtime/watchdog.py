@@ -14,8 +14,7 @@ in it, done, or failed with which error) to the store every ``beat`` seconds, an
 Leaving is ``os._exit``: the main thread is blocked in a collective that Python cannot interrupt
 (NCCL's own watchdog aborts the process likewise). A collective that fails instead (gloo's
 "Connection closed by peer" when a peer died) is explained the same way by ``explain_failure``.
-Control values only: the store carries a few hundred bytes per rank per beat, never tensors.
-"""
+Control values only: the store carries a few hundred bytes per rank per beat, never tensors."""
 
 from __future__ import annotations
 
