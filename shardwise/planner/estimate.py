@@ -127,14 +127,10 @@ class Strategy:
     (its copy-in/copy-out kernels, by bytes). None: none counted (Megatron, MaxText, shardwise)."""
 
     def __post_init__(self):
-        if self.framework not in FRAMEWORKS:
-            raise ValueError(f"framework must be one of {', '.join(map(str, FRAMEWORKS))}, got {self.framework!r}")
-        if self.stack not in STACKS:
-            raise ValueError(f"stack must be one of {', '.join(STACKS)}, got {self.stack!r}")
-        if self.rank_order not in RANK_ORDERS:
-            raise ValueError(f"rank_order must be one of {', '.join(RANK_ORDERS)}, got {self.rank_order!r}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS),
+                         ("recompute", RECOMPUTE)):
+            if getattr(self, k) not in kinds:
+                raise ValueError(f"{k} must be one of {', '.join(map(str, kinds))}, got {getattr(self, k)!r}")
         if not self.capacity >= 1.0:
             raise ValueError(f"capacity must be at least 1 (an expert's share of the routed tokens), got {self.capacity}")
         if self.zero not in (0, 1, 2, 3):
@@ -431,8 +427,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
          + (f" + DDP's gradient buckets {g(buckets)}" if buckets else "") + f" + at {peak} {g(phases[peak])}, the "
          "largest of " + "; ".join(f"{k} {g(v)}" for k, v in phases.items()) + " (16-bit weight copies + activations; "
          "copies + gradients" + (" + a layer's gradient in 16 and 32 bits" if st.zero == 3 else "") + "; gradients"
-         + (" + the foreach temporary" if st.foreach else "") + f") = {g(total)} B"),
-    ]
+         + (" + the foreach temporary" if st.foreach else "") + f") = {g(total)} B")]
     if st.cp > 1:
         formulas.insert(4, f"context parallel = {4 if layer_rerun else 3} collectives of the keys and values x "
                            f"{layers_here} layers x {m} micro-batches over {st.cp} ranks = {g(cp_comm)} s, exposed "
