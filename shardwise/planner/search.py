@@ -128,5 +128,4 @@ def describe(st: Strategy) -> str:
     return (f"tp={st.tp}{' sp' if st.sp and st.tp > 1 else ''} pp={st.pp}"
             + (f" v={st.virtual}" if st.virtual > 1 else "") + f" zero{st.zero}"
             + (f" shard={st.shard}" if st.shard else "") + (f" ep={st.ep}" if st.ep > 1 else "")
-            + (f" cp={st.cp}" if st.cp > 1 else "")
-            + f" mb={st.micro_batch} recompute={st.recompute}")
+            + (f" cp={st.cp}" if st.cp > 1 else "") + f" mb={st.micro_batch} recompute={st.recompute}")
