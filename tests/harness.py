@@ -1133,7 +1133,7 @@ def ep_run(strategy: str, steps: int, ep: int, cf: float | None = 2.0, save: str
                      and collective_of(s).kind == "all_gather" and collective_of(s).params]
     info = {"phases": Counter((c.axis, c.kind, c.phase) for c in cs), "products_under_all_to_all": under,
             "products_under_ep_gathers": gathers_under,
-            "ep_params": Counter((c.kind, c.phase, c.param) for c in cs if c.axis == "ep" and c.params),
+            "ep_params": Counter((c.kind, c.phase, p) for c in cs if c.axis == "ep" for p in c.params),
             "moe_params": sorted(p for layer in prog.capture.moe_layers for p in layer["params"]),
             "shapes": dict(zip(prog.capture.param_names, prog.capture.param_shapes)),
             "expert_bytes": held_bytes(experts), "shared_bytes": held_bytes([n for n in st.names if n not in experts]),

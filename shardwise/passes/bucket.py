@@ -1,4 +1,5 @@
-"""Bucketing: merge neighbouring per-parameter all-gathers and reduce-scatters into one collective each.
+"""Bucketing: merge neighbouring per-parameter all-gathers and reduce-scatters into one collective each (the dp
+strategy's, and ep's of parameters: ZeRO over dp x ep).
 
 Every collective pays a fixed latency α; a bucket pays it once for many parameters. Buckets are closed at
 ``bucket_bytes`` (the cost model picks it: passes/pipeline.py), hold one dtype and one phase, and keep graph order, so
@@ -52,8 +53,8 @@ def _merge_all_gathers(g: fx.Graph, members: list[fx.Node], ranks: int) -> None:
     sizes = [emit.val(x).numel() for x in ins]
     total = sum(sizes)
     v0 = emit.val(ins[0])
-    for m in members[1:]:  # their shards come from placeholders only: bring the feed chains forward
-        for c in feed_chain(m):
+    for m in members[1:]:  # shards of placeholders: their feed chains brought forward (of another axis's gather: the
+        for c in feed_chain(m) or ():  # bucket follows the last, restore_topological_order)
             members[0].prepend(c)
     with g.inserting_before(members[0]):
         flats = [emit.reshape(g, x, [n]) for x, n in zip(ins, sizes)]
@@ -108,20 +109,28 @@ def _order(g: fx.Graph) -> dict:
     return {n: i for i, n in enumerate(g.nodes)}
 
 
-def bucket(gm: fx.GraphModule, ranks: int, bucket_bytes: int) -> int:
-    """Merge per-parameter all-gathers and reduce-scatters of ``gm`` in place; returns buckets made."""
-    if ranks <= 1 or bucket_bytes <= 0:
+def candidates(gm: fx.GraphModule) -> list[fx.Node]:
+    """The collectives ``bucket`` may merge: the dp strategy's (the tp axis's move activations, each read soon after),
+    and ep's of parameters (ZeRO over dp x ep, passes/ep.py), whose gathers read the dp ones'."""
+    return [s for s in emit.collectives(gm) if collective_of(s).ranks > 1 and (
+        collective_of(s).axis == "dp" or collective_of(s).axis == "ep" and collective_of(s).params and collective_of(s).kind != "all_reduce")]
+
+
+def bucket(gm: fx.GraphModule, bucket_bytes: int) -> int:
+    """Merge per-parameter all-gathers and reduce-scatters of ``gm`` in place, each axis's apart; returns buckets made."""
+    if bucket_bytes <= 0:
         return 0
     g = gm.graph
     made = 0
-    for kind, merge in (("all_gather", _merge_all_gathers), ("reduce_scatter", _merge_reduce_scatters)):
-        # the dp strategy's collectives of parameters (the tp axis's move activations, each read soon after)
-        starts = [s for s in emit.collectives(gm, "dp") if collective_of(s).kind == kind]
-        if kind == "all_gather":
-            starts = [s for s in starts if feed_chain(s) is not None]
-        for members in _groups(starts, bucket_bytes):
-            merge(g, members, ranks)
-            made += 1
+    for axis in ("dp", "ep"):
+        for kind, merge in (("all_gather", _merge_all_gathers), ("reduce_scatter", _merge_reduce_scatters)):
+            starts = [s for s in candidates(gm) if collective_of(s).axis == axis and collective_of(s).kind == kind]
+            if kind == "all_gather":
+                dp = {s for s in emit.collectives(gm, "dp") if collective_of(s).kind == kind}
+                starts = [s for s in starts if feed_chain(s, dp if axis == "ep" else ()) is not None]
+            for members in _groups(starts, bucket_bytes):
+                merge(g, members, collective_of(members[0]).ranks)
+                made += 1
     # a member's result now comes from the bucket's collective, issued after the last member's input: readers placed
     # between (the copy back to the GPU of gloo's host-staged collectives) follow it there
     emit.restore_topological_order(g)

@@ -78,8 +78,8 @@ def _shard_step(cap: Capture, strategy: str, ctx: ShardContext, mode: str) -> Pr
     prog = _rewrite(cap, copy.deepcopy(cap.gm), strategy, ctx, mode)
     if ctx.recompute:
         prog.recomputed = recompute.apply(prog.gm)
-    starts = emit.collectives(prog.gm, "dp")
-    if ctx.shard_bucket_bytes == "auto" and strategy != "ddp" and starts and ctx.dp > 1:
+    starts = bucket.candidates(prog.gm)
+    if ctx.shard_bucket_bytes == "auto" and strategy != "ddp" and starts:
         return _auto_buckets(prog, ctx, mode, starts)
     return _finish(prog, ctx, mode, ctx.shard_bucket_bytes if strategy != "ddp" and starts else 0)
 
@@ -89,10 +89,10 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap
     """Bucket (``bucket_bytes``: 0 none, None twice the largest parameter), schedule, then keep activations on the host
     and put readiness waits where ``ctx`` asks. With ``sweep_cap`` (and ``ctx.cap_sweep``) the scheduler's in-flight cap
     is the cost model's pick (``_schedule``), memory slack measured from ``ref_peak`` (default: the smallest cap's)."""
-    starts = emit.collectives(prog.gm, "dp")
+    starts = bucket.candidates(prog.gm)
     if bucket_bytes != 0 and starts:
         limit = bucket_bytes or 2 * max(collective_of(s).full_bytes for s in starts)
-        prog.buckets = bucket.bucket(prog.gm, ctx.dp, limit)
+        prog.buckets = bucket.bucket(prog.gm, limit)
     starts = emit.collectives(prog.gm)
     if mode == "acc":
         prog = accumulate.into_inputs(prog)
