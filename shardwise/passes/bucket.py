@@ -111,23 +111,25 @@ def _order(g: fx.Graph) -> dict:
 
 def candidates(gm: fx.GraphModule) -> list[fx.Node]:
     """The collectives ``bucket`` may merge: the dp strategy's (the tp axis's move activations, each read soon after),
-    and ep's of parameters (ZeRO over dp x ep, passes/ep.py), whose gathers read the dp ones'."""
-    return [s for s in emit.collectives(gm) if collective_of(s).ranks > 1 and (
-        collective_of(s).axis == "dp" or collective_of(s).axis == "ep" and collective_of(s).params and collective_of(s).kind != "all_reduce")]
+    and ep's gathers and reduce-scatters of parameters (ZeRO over dp x ep, passes/ep.py), whose gathers read dp's."""
+    cs = {s: collective_of(s) for s in emit.collectives(gm)}
+    return [s for s, c in cs.items() if c.ranks > 1 and (c.axis == "dp" or c.axis == "ep" and c.kind != "all_reduce"
+                                                        and c.params)]
 
 
 def bucket(gm: fx.GraphModule, bucket_bytes: int) -> int:
-    """Merge per-parameter all-gathers and reduce-scatters of ``gm`` in place, each axis's apart; returns buckets made."""
+    """Merge per-parameter all-gathers and reduce-scatters of ``gm`` in place, each axis's apart; returns buckets
+    made."""
     if bucket_bytes <= 0:
         return 0
     g = gm.graph
     made = 0
     for axis in ("dp", "ep"):
         for kind, merge in (("all_gather", _merge_all_gathers), ("reduce_scatter", _merge_reduce_scatters)):
-            starts = [s for s in candidates(gm) if collective_of(s).axis == axis and collective_of(s).kind == kind]
-            if kind == "all_gather":
-                dp = {s for s in emit.collectives(gm, "dp") if collective_of(s).kind == kind}
-                starts = [s for s in starts if feed_chain(s, dp if axis == "ep" else ()) is not None]
+            starts = [s for s in candidates(gm) if (collective_of(s).axis, collective_of(s).kind) == (axis, kind)]
+            if kind == "all_gather":  # an ep gather reads a dp gather's wait (the dp buckets are made by then)
+                dp = {s for s in emit.collectives(gm, "dp") if collective_of(s).kind == kind} if axis == "ep" else ()
+                starts = [s for s in starts if feed_chain(s, dp) is not None]
             for members in _groups(starts, bucket_bytes):
                 merge(g, members, collective_of(members[0]).ranks)
                 made += 1
