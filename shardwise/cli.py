@@ -388,6 +388,8 @@ def _plan_parser(sub) -> None:
                         "PyTorch's under torch.autocast")
     p.add_argument("--foreach", action="store_true",
                    help="torch's multi-tensor AdamW: about 20 passes over the fp32 state (fused: 7), an fp32 temporary")
+    p.add_argument("--fp8", action="store_true", help="Transformer Engine's FP8 recipe: the layers' products in FP8 "
+                   "(Hopper GPUs)")
     p.add_argument("--framework", choices=["fsdp2"], default=None,
                    help="count the data-parallel runtime's own kernels: FSDP2's copy-in and copy-out, by bytes")
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
@@ -451,7 +453,8 @@ def plan_main(args) -> None:
                       virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
                       capacity=args.capacity, fused_attention=not args.unfused_attention, tp_exposed=args.tp_exposed,
                       dp_exposed=args.dp_exposed, rank_order=args.rank_order, reduce_fp32=args.reduce_fp32, cp=args.cp,
-                      eager=args.eager, stack=args.stack, foreach=args.foreach, framework=args.framework)
+                      eager=args.eager, stack=args.stack, foreach=args.foreach, framework=args.framework,
+                      fp8=args.fp8)
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:

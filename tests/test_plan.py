@@ -110,8 +110,8 @@ def test_predictions_hold_the_published_runs_within_10pct():
     # fitted: two Korthikanti runs (the A100 share), our one-H200 run (the H100's share, and the H200's of its
     # measured product and attention rates), MaxText's 32B (v5p's)
     # and 16B (v5e's), MaxText's 64B on 2 and 32 v5e slices (the data-center spine), torchtitan's eager
-    # 8-GPU run (eager norms and rotary embedding)
-    assert len(kor) == 8 and sum(r["fitted"] for r in rows) == 8
+    # 8-GPU run (eager norms and rotary embedding), NeMo's Llama 3 70B in FP8 (the FP8 share)
+    assert len(kor) == 8 and sum(r["fitted"] for r in rows) == 9
     for r in kor:
         assert abs(r["error"]) <= 0.10, r
     # vTrain's fastest configurations, blind: the three large models within 10% (the 3.6B one is 27%
@@ -163,6 +163,11 @@ def test_predictions_hold_the_published_runs_within_10pct():
     many = {r["run"]: r for r in rows if r["source"] == "maxtext_v5e" and " x TPU" in r["run"]}
     blind = [r["error"] for r in many.values() if not r["fitted"]]
     assert len(many) == 15 and len(blind) == 13 and all(abs(e) <= 0.10 for e in blind), many
+    # Megatron-Core in FP8 on DGX H100s (NeMo 24.07, Megatron-Bridge 25.11 and 26.02), 8 to 1024 GPUs, 5B to 405B:
+    # the 12 blind rows within 10% on the FP8 share fitted on the thirteenth
+    fp8 = [r for r in rows if r["source"] in ("nemo_2407", "megatron_bridge")]
+    assert len(fp8) == 13 and sum(r["fitted"] for r in fp8) == 1
+    assert all(abs(r["error"]) <= 0.10 for r in fp8), fp8
 
 
 def test_wide_heads_and_tensor_parallel_across_torus_axes():
@@ -568,9 +573,10 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (94, 86)
-    # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 69
+    assert (len(rows), len(blind)) == (107, 98)
+    # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before NeMo's FP8
+    # rows (bench/results/2026-12-06-plan-fp8.md: their 12 blind ones all within 10%)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 81
 
 
 @pytest.mark.parametrize("size", ["22B", "175B", "530B"])
@@ -842,3 +848,50 @@ def test_h200_products_run_at_the_measured_rate_of_their_shape():
     (one, a), (eight, b) = share(Strategy(micro_batch=2, seq=4096)), share(Strategy(tp=8, seq=2048))
     assert "width 4096, tp 1, 8192 tokens" in one and "width 4096, tp 8, 2048 tokens" in eight and b < 0.85 * a
     assert "flash attention at" in one and "flash attention" not in share(Strategy(fused_attention=False))[0]
+
+
+def test_fp8_runs_the_layers_products_at_their_measured_fp8_rate_and_pays_for_the_casts(capsys):
+    # Transformer Engine's FP8 recipe: the layers' products at the FP8 rate measured by shape (HOPPER_FP8_PRODUCTS),
+    # the output layer's in bf16 and attention at its bf16 rate, on a Hopper as its measured tables (the H100's
+    # bf16 rows keep their 2023-24 share); each FP8 operand cast from bf16 (FP8_CAST_BYTES an element)
+    # held at FP8_EFF_MAX of the table (fitted on one NeMo row; the bf16 products at the H200's share)
+    from shardwise.costmodel.devices import DEVICES, FP8_CAST_BYTES, FP8_EFF_MAX, H200_EFF_MAX, HOPPER_FP8_PRODUCTS
+
+    h100 = DEVICES["h100"]
+    today = h100.today()
+    assert today.eff_max == H200_EFF_MAX and today.products is not None and h100.products is None
+    assert today.product_rate(8192, 4, 8192, fp8=True) == pytest.approx(HOPPER_FP8_PRODUCTS[8192][4][2] * 1e12
+                                                                         * FP8_EFF_MAX)
+    assert today.product_rate(8192, 4, 8192, fp8=True) > 1.3 * today.product_rate(8192, 4, 8192)
+    m, c = model("llama3-70b"), cluster("dgx-h100:8")
+    st = Strategy(tp=4, pp=8, virtual=5, global_batch=128, recompute="none")
+    bf16, fp8 = estimate(m, c, st), estimate(m, c, dataclasses.replace(st, fp8=True))
+    assert fp8.compute_s < 0.8 * bf16.compute_s and fp8.tp_comm_s == bf16.tp_comm_s
+    assert any("the layers' FP8 products at" in f for f in fp8.formulas)
+    assert not any("FP8" in f for f in estimate(m, c, dataclasses.replace(st, fp8=False)).formulas)
+    # the casts: an FP8 step with the cast bytes doubled is slower by the same bytes again at the memory-bound rate
+    import shardwise.planner.estimate as est
+
+    m8, c8 = model("llama3-8b"), cluster("dgx-h100:1")
+    one = Strategy(global_batch=8, recompute="none", fp8=True)
+    a = estimate(m8, c8, one)
+    est.FP8_CAST_BYTES = 2 * FP8_CAST_BYTES
+    try:
+        b = estimate(m8, c8, one)
+    finally:
+        est.FP8_CAST_BYTES = FP8_CAST_BYTES
+    elems = 4 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336  # per token and layer: h-wide operands, then the cut ones
+    cast_s = 8 * 8192 / 8 * 32 * elems * FP8_CAST_BYTES / (c8.accel.hbm_bw * c8.accel.mem_eff)
+    assert b.compute_s - a.compute_s == pytest.approx(cast_s)
+    # no FP8 rates off Hopper: a clear refusal, from the CLI too
+    with pytest.raises(ValueError, match="FP8 rates for Hopper GPUs"):
+        estimate(m8, cluster("dgx-a100:1"), one)
+    from shardwise.cli import main
+
+    main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "8", "--recompute", "none",
+          "--fp8", "--json"])
+    assert json.loads(capsys.readouterr().out)["step_s"] == pytest.approx(a.step_s)
+    # shardwise trains no FP8 yet: a search says so of an FP8 layout
+    from shardwise.planner.search import runs_on_shardwise
+
+    assert runs_on_shardwise(one) is None and runs_on_shardwise(dataclasses.replace(one, fp8=False)) is not None

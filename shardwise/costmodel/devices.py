@@ -8,7 +8,7 @@ kernels at ``mem_eff`` of ``hbm_bw``. MFU is quoted against ``peak_flops``, as t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +34,29 @@ HOPPER_PRODUCTS = {  # model width: {tp: TFLOP/s at 2048, 4096, 8192 and 16384 t
     16384: {1: (668, 664, 668, 673), 2: (668, 663, 668, 670), 4: (664, 669, 669, 673), 8: (653, 661, 670, 670)}}
 """One H200's bf16 ``torch.mm`` rate over a Llama-style layer's twelve products (forward, input and weight gradients of
 QKV, output, gate+up, down) on one tensor-parallel rank, TFLOP/s (bench/results/2026-12-02-h200-gemm-shapes.md)."""
+HOPPER_FP8_PRODUCTS = {  # HOPPER_PRODUCTS' layout
+    2048: {1: (1156, 1323, 1310, 1317), 2: (815, 1125, 1241, 1265),
+           4: (653, 915, 1120, 1236), 8: (397, 710, 1006, 1131)},
+    4096: {1: (1230, 1322, 1240, 1325), 2: (1190, 1298, 1267, 1239),
+           4: (947, 1254, 1234, 1261), 8: (695, 1097, 1228, 1248)},
+    5120: {1: (1271, 1325, 1219, 1252), 2: (1217, 1311, 1351, 1242),
+           4: (1110, 1201, 1283, 1288), 8: (972, 1217, 1215, 1213)},
+    8192: {1: (1212, 1282, 1254, 1256), 2: (1284, 1290, 1269, 1276),
+           4: (1246, 1259, 1291, 1272), 8: (1159, 1275, 1300, 1259)},
+    12288: {1: (1241, 1262, 1249, 1229), 2: (1247, 1281, 1279, 1263),
+            4: (1280, 1260, 1284, 1274), 8: (1265, 1269, 1263, 1276)},
+    16384: {1: (1212, 1224, 1234, 1209), 2: (1254, 1259, 1259, 1245),
+            4: (1267, 1277, 1254, 1254), 8: (1267, 1271, 1271, 1254)}}
+"""The same twelve products in FP8 as Transformer Engine's recipes run them on a Hopper (E4M3 forward, E5M2 output
+gradients, one scale per tensor, bf16 out; ``torch._scaled_mm``, cuBLASLt), TFLOP/s, on one H100 (1.15-1.99x its bf16
+rates of the same run, 1.8x at the large shapes: bench/results/2026-12-06-plan-fp8.md)."""
+FP8_EFF_MAX = 0.728
+"""The share of ``HOPPER_FP8_PRODUCTS`` a whole FP8 step holds, fitted on one run only: NeMo's Llama 3 70B on 64
+H100s (Megatron-Bridge, container 26.02, tp=4 pp=8 virtual 5, batch 256; planner/data/runs.toml). Its 12 other FP8 rows
+are blind (bench/results/2026-12-06-plan-fp8.md)."""
+FP8_CAST_BYTES = 6.0
+"""HBM bytes per element of an FP8 operand made in a step: current scaling reads the bf16 tensor for its maximum, then
+again to cast it (2 + 2), and writes it and its transpose for the other product that reads it (1 + 1)."""
 HOPPER_ATTENTION = {2048: 393, 4096: 483, 8192: 537}
 """Causal flash attention (SDPA, forward + backward, head dim 128) on one H200 by sequence, TFLOP/s executed (the
 causal half), the mean over 16, 32 and 64 heads (the same file)."""
@@ -89,20 +112,29 @@ class Device:
     peak. Where set, ``eff_max`` is the share of these rates (and of ``attention``'s) a whole step holds."""
     attention: dict | None = None
     """Measured causal flash attention rates by sequence (``HOPPER_ATTENTION``)."""
+    fp8_products: dict | None = None
+    """Measured FP8 product rates by shape (``HOPPER_FP8_PRODUCTS``); None: FP8 is not planned on this device."""
     tdp: float | None = None
     """Board power at which the fitted shares hold, watts (a power-capped part: planner clusters' ``@W``)."""
 
     def efficiency(self, width: float) -> float:
         return self.eff_max * width / (width + self.eff_x0)
 
-    def product_rate(self, width: int, tp: int, tokens: float) -> float:
+    def product_rate(self, width: int, tp: int, tokens: float, fp8: bool = False) -> float:
         """FLOP/s a whole step holds on the matrix products of a model ``width`` wide cut ``tp`` ways, ``tokens`` per
-        micro-batch: ``eff_max`` of the measured rate of the nearest width and tp (``products``), else of the peak."""
-        if self.products is None:
+        micro-batch: ``eff_max`` of the measured rate of the nearest width and tp (``products``, ``fp8_products``),
+        else of the peak."""
+        table = self.fp8_products if fp8 else self.products
+        if table is None:
             return self.peak_flops * self.efficiency(width / tp)
-        w = min(self.products, key=lambda k: abs(np.log2(k / width)))
-        t = min(self.products[w], key=lambda k: abs(np.log2(k / tp)))
-        return _log_interp(tokens, (2048, 4096, 8192, 16384), self.products[w][t]) * self.scale()
+        w = min(table, key=lambda k: abs(np.log2(k / width)))
+        t = min(table[w], key=lambda k: abs(np.log2(k / tp)))
+        return _log_interp(tokens, (2048, 4096, 8192, 16384), table[w][t]) * self.scale(FP8_EFF_MAX if fp8 else None)
+
+    def today(self) -> "Device":
+        """A Hopper as its measured tables (products, attention; the H200's) at the share a step holds of them: how
+        the planner runs FP8 jobs, whose published rows all ran Transformer Engine of 2024 or later."""
+        return replace(self, products=HOPPER_PRODUCTS, attention=HOPPER_ATTENTION, eff_max=H200_EFF_MAX)
 
     def attention_rate(self, seq: int) -> float | None:
         """FLOP/s (executed) a whole step holds on causal flash attention over sequences of ``seq`` tokens; None where
@@ -112,8 +144,8 @@ class Device:
         xs = sorted(self.attention)
         return _log_interp(seq, xs, [self.attention[x] for x in xs]) * self.scale()
 
-    def scale(self) -> float:  # a measured table's TFLOP/s to this device's FLOP/s in a whole step
-        return 1e12 * self.eff_max * self.peak_flops / PEAK_REF
+    def scale(self, share: float | None = None) -> float:  # a measured table's TFLOP/s to this device's in a step
+        return 1e12 * (share or self.eff_max) * self.peak_flops / PEAK_REF
 
 
 def _datasheet(name, label, peak, hbm_bytes, hbm_bw, eff_max=0.683, **kw) -> Device:
@@ -124,10 +156,11 @@ def _datasheet(name, label, peak, hbm_bytes, hbm_bw, eff_max=0.683, **kw) -> Dev
 DEVICES = {
     # measured on this workplace's H200s (DESIGN.md reference figures): 790 TFLOP/s bf16 GEMM, 4.3 TB/s copy
     "h200": Device("h200", 790e12, 4.3e12, 989e12, 141e9, 4.8e12, eff_max=H200_EFF_MAX, host=PCIE5,
-                   products=HOPPER_PRODUCTS, attention=HOPPER_ATTENTION, label="H200 SXM", match=("h200",), tdp=700.0),
+                   products=HOPPER_PRODUCTS, attention=HOPPER_ATTENTION, fp8_products=HOPPER_FP8_PRODUCTS,
+                   label="H200 SXM", match=("h200",), tdp=700.0),
     # about 0.7 of the datasheet's 989 TFLOP/s, 3.35 TB/s
     "h100": Device("h100", 700e12, 3.0e12, 989e12, 80e9, 3.35e12, eff_max=H100_EFF_MAX, label="H100 SXM",
-                   match=("h100",), tdp=700.0),
+                   match=("h100",), tdp=700.0, fp8_products=HOPPER_FP8_PRODUCTS),
     "h100-pcie": _datasheet("h100-pcie", "H100 PCIe", 756e12, 80e9, 2.0e12, eff_max=H100_EFF_MAX),
     "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",), tdp=400.0),
     # TPUs (Cloud TPU documentation, jax-ml/scaling-book). v5p's share is fitted on one run: MaxText's 32B

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..costmodel.devices import FP8_CAST_BYTES, FP8_EFF_MAX
 from ..costmodel.optimizer import PASSES, update_time
 from .clusters import ClusterSpec
 from .models import EAGER_BYTES, TORCH_ACTIVATIONS, ModelSpec
@@ -121,6 +122,10 @@ class Strategy:
     """PyTorch's default multi-tensor AdamW in place of a fused kernel: its step passes over the fp32
     state about 20 times instead of 7 (costmodel/optimizer.py) and makes an fp32 temporary the size of
     the state it updates (the square root of the second moment)."""
+    fp8: bool = False
+    """Transformer Engine's FP8 recipe (Megatron-Core, NeMo): the layers' products in FP8 at their measured rates, each
+    FP8 operand cast from bf16 (costmodel.devices.FP8_CAST_BYTES); attention and the output layer in bf16. Hopper
+    only."""
     framework: str | None = None
     """Whose data-parallel runtime, where it costs time of its own (``FRAMEWORKS``): ``fsdp2`` copies
     each gathered weight out of the all-gather's buffer and each gradient into the reduce-scatter's
@@ -200,6 +205,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     m = gb // (dp * st.micro_batch)  # micro-batches per step on each pipeline
     tokens = gb * seq
     acc = cluster.accel
+    if st.fp8:
+        if acc.fp8_products is None:
+            raise ValueError(f"fp8: the planner has FP8 rates for Hopper GPUs (H100, H200) only, not {acc.label}")
+        acc = acc.today()
     h, L, b = model.hidden, model.layers, st.micro_batch
 
     # compute: the model's FLOPs (+ one forward of the layers under full recomputation, + attention
@@ -233,16 +242,24 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         products = fpt + extra + pad - (attn + attn_rerun if attn_rate else 0.0)
         executed = 7.0 / 12.0 * attn + attn_rerun / 2.0 if attn_rate else 0.0
         prate = acc.product_rate(h, st.tp, b * lseq)
-        matmul = tokens / gpus * (products / prate + (executed / attn_rate if attn_rate else 0.0))
+        # FP8: the layers' products at the FP8 rate, the output layer's (6·v·h a token) in bf16
+        head, frate = (6.0 * model.vocab * h, acc.product_rate(h, st.tp, b * lseq, True)) if st.fp8 else (0.0, prate)
+        matmul = tokens / gpus * ((products - head) / frate + head / prate + (executed / attn_rate if attn_rate else 0))
         eff = tokens * (fpt + extra + pad) / gpus / matmul / acc.peak_flops  # the share of peak it comes to
         rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s ({acc.eff_max} of the rate measured at width "
                  f"{h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)" + (f", flash attention at {attn_rate / 1e12:.0f} "
                                                                            "(executed FLOPs)" if attn_rate else "")
+                 + (f", the layers' FP8 products at {frate / 1e12:.0f} ({FP8_EFF_MAX} of their FP8 rate)"
+                    if st.fp8 else "")
                  + f": {eff:.3f} of peak", f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate"
                  + (f" + attention {executed:.4g} executed / rate" if attn_rate else "") + f") = {matmul:.4g} s"]
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
     # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
     ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity, st.eager)
+    if st.fp8:  # the FP8 operands: each product's input, and in the backward its output's gradient (whole: h-wide)
+        k, kv = (model.top_k * st.capacity if model.experts > 1 else 1.0), model.kv_heads * model.head_dim
+        cut = 2 * model.q_dim + 2 * kv + k * model.expert_params() / h  # split over tp (an expert's 2 or 3 x ffn)
+        ew_bytes += FP8_CAST_BYTES * ((2 + 2 * k) * h + cut / st.tp)
     elementwise = tokens / sdp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
     compute = matmul + elementwise
 

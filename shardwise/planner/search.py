@@ -73,8 +73,8 @@ def _rest(m, c, base, gpus, tp, pp, cp, gb, only):
 
 def runs_on_shardwise(st: Strategy) -> str | None:
     """The ``shardwise train`` flags that run ``st`` today, or None where it needs what shardwise does
-    not build yet (pipelines, hybrid sharding, context parallelism, recomputation other than none)."""
-    if st.pp > 1 or st.shard is not None or st.recompute != "none" or st.cp > 1:
+    not build yet (pipelines, hybrid sharding, context parallelism, FP8, recomputation other than none)."""
+    if st.pp > 1 or st.shard is not None or st.recompute != "none" or st.cp > 1 or st.fp8:
         return None
     flags = [f"--strategy {'ddp' if st.zero == 0 else f'zero{st.zero}'}"]
     if st.tp > 1:
