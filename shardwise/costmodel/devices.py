@@ -114,11 +114,13 @@ class Device:
     """Measured causal flash attention rates by sequence (``HOPPER_ATTENTION``)."""
     fp8_products: dict | None = None
     """Measured FP8 product rates by shape (``HOPPER_FP8_PRODUCTS``); None: FP8 is not planned on this device."""
+    clock: float = 1.0
+    """The share of its clocks a power cap leaves (planner clusters' ``@W``): every product rate scales by it."""
     tdp: float | None = None
     """Board power at which the fitted shares hold, watts (a power-capped part: planner clusters' ``@W``)."""
 
     def efficiency(self, width: float) -> float:
-        return self.eff_max * width / (width + self.eff_x0)
+        return self.clock * self.eff_max * width / (width + self.eff_x0)
 
     def product_rate(self, width: int, tp: int, tokens: float, fp8: bool = False) -> float:
         """FLOP/s a whole step holds on the matrix products of a model ``width`` wide cut ``tp`` ways, ``tokens`` per
@@ -145,7 +147,7 @@ class Device:
         return _log_interp(seq, xs, [self.attention[x] for x in xs]) * self.scale()
 
     def scale(self, share: float | None = None) -> float:  # a measured table's TFLOP/s to this device's in a step
-        return 1e12 * (share or self.eff_max) * self.peak_flops / PEAK_REF
+        return 1e12 * self.clock * (share or self.eff_max) * self.peak_flops / PEAK_REF
 
 
 def _datasheet(name, label, peak, hbm_bytes, hbm_bw, eff_max=0.683, **kw) -> Device:

@@ -134,7 +134,7 @@ def cluster(spec: str, fabric: str | None = None) -> ClusterSpec:
         if not c.accel.tdp or not 0 < w <= c.accel.tdp:
             raise ValueError(f"cluster {spec!r}: a power cap is NAME:NODES@WATTS, at most the {c.accel.label}'s "
                              f"{c.accel.tdp or 'unknown'} W")
-        capped = dataclasses.replace(c.accel, eff_max=c.accel.eff_max * (w / c.accel.tdp) ** (1 / 3),
+        capped = dataclasses.replace(c.accel, clock=(w / c.accel.tdp) ** (1 / 3),
                                      label=f"{c.accel.label} at {w:g} W")
         return ClusterSpec(spec, capped, dataclasses.replace(c.topology, name=spec))
     name, _, n = spec.partition(":")
