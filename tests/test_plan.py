@@ -573,10 +573,13 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (107, 98)
-    # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before NeMo's FP8
-    # rows (bench/results/2026-12-06-plan-fp8.md: their 12 blind ones all within 10%)
+    assert (len(rows), len(blind)) == (115, 106)
+    # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before the FP8 rows
+    # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%, torchtitan's 8 Float8 ones 11-54%
+    # fast, misses)
     assert sum(abs(r["error"]) <= 0.10 for r in blind) == 81
+    titan8 = [r for r in blind if r["source"] == "torchtitan" and "Float8" in r["run"]]
+    assert len(titan8) == 8 and all(r["error"] < -0.10 for r in titan8), titan8
 
 
 @pytest.mark.parametrize("size", ["22B", "175B", "530B"])
@@ -792,7 +795,7 @@ def test_a_power_capped_cluster_runs_its_products_slower_by_the_cube_root_of_the
     # torchtitan's compiled rows come within 10% so (they were 14-16% fast at full power)
     from shardwise.planner.validation import table
 
-    titan = [r for r in table() if r["source"] == "torchtitan" and "compile" in r["run"]]
+    titan = [r for r in table() if r["source"] == "torchtitan" and "compile" in r["run"] and "Float8" not in r["run"]]
     assert len(titan) == 2 and all(abs(r["error"]) <= 0.10 for r in titan), titan
     for bad in ("dgx-h100:1@900W", "dgx-h100:1@lots", "tpu-v5e:16x16@100"):
         with pytest.raises(ValueError, match="power cap"):
