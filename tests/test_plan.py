@@ -575,11 +575,11 @@ def test_validation_summary_counts():
     blind = [r for r in rows if not r["fitted"]]
     assert (len(rows), len(blind)) == (115, 106)
     # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before the FP8 rows
-    # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%, torchtitan's 8 Float8 ones 11-54%
-    # fast, misses)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 81
+    # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%; torchtitan's 8 Float8 ones, on its
+    # H100s' 2.4 TB/s HBM2e, 7.5-54% fast, all but the 70B's without AsyncTP misses)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 82
     titan8 = [r for r in blind if r["source"] == "torchtitan" and "Float8" in r["run"]]
-    assert len(titan8) == 8 and all(r["error"] < -0.10 for r in titan8), titan8
+    assert len(titan8) == 8 and sum(-0.10 <= r["error"] < 0 for r in titan8) == 1, titan8
 
 
 @pytest.mark.parametrize("size", ["22B", "175B", "530B"])

@@ -173,6 +173,9 @@ DEVICES = {
     "tpu-v5e": _datasheet("tpu-v5e", "TPU v5e", 197e12, 16e9, 0.82e12, eff_max=0.824),
     "tpu-v6e": _datasheet("tpu-v6e", "TPU v6e", 918e12, 32e9, 1.64e12),
     "cpu": Device("cpu", 50e9, 10e9, host=CPU_POOL, label="CPU")}
+# the H100 SXM with 96 GB of HBM2e at 2.4 TB/s (Meta's Grand Teton hosts, torchtitan's benchmarks)
+DEVICES["h100-hbm2e"] = replace(DEVICES["h100"], name="h100-hbm2e", bandwidth=1.92e12, hbm_bytes=96e9, hbm_bw=2.4e12,
+                                label="H100 SXM 96 GB HBM2e", match=())
 
 
 def cuda_device(name: str) -> Device:

@@ -56,6 +56,7 @@ class ClusterSpec:
 
 
 H200, H100, A100, H100_PCIE = DEVICES["h200"], DEVICES["h100"], DEVICES["a100"], DEVICES["h100-pcie"]
+H100_HBM2E = DEVICES["h100-hbm2e"]
 
 NODES = {
     "h200": (H200, 1, NO_LINK, None),  # one GPU (our bench machine)
@@ -63,7 +64,7 @@ NODES = {
     # compiler's default link profile on NCCL (costmodel.PRESETS["h200-nv18-x2"])
     "h200-nv18-x2": (H200, 2, PRESETS["h200-nv18-x2"].level("NVLink NV18"), None),
     "dgx-h100": (H100, 8, NVLINK4, IB_NDR), "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
-    "dgx-a100": (A100, 8, NVLINK3, IB_HDR),
+    "dgx-a100": (A100, 8, NVLINK3, IB_HDR), "h100-hbm2e": (H100_HBM2E, 8, NVLINK4, IB_NDR),  # 400 Gb/s per GPU
     # a PCIe-only server: 8 H100 PCIe without NVLink bridges, one NDR NIC per 2 GPUs between servers
     "pcie-h100": (H100_PCIE, 8, PCIE5_HOST, Level("InfiniBand NDR 400G per 2 GPUs", 23.5e9, 14e-6)),
     # the A100 cluster of vTrain's measurements (its validation configs: 800 Gb/s per 8-GPU node)

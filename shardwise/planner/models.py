@@ -159,10 +159,11 @@ class ModelSpec:
                 f"{self.heads} heads / {self.kv_heads} kv, ffn {self.ffn}, vocab {self.vocab}{moe})")
 
 
-EAGER_BYTES = 140.0
+EAGER_BYTES = 85.0
 """Bytes per unit of width one token moves in one layer's forward beyond the fused count when a rotary
 model's two RMSNorms and its rotary embedding run as eager PyTorch's decomposed ops (fp32 upcasts, a
-kernel per op). Fitted on torchtitan's Llama 3.1 8B FSDP eager run on 8 H100s (data/runs.toml)."""
+kernel per op). Fitted on torchtitan's Llama 3.1 8B FSDP eager run on 8 H100s with HBM2e at 2.4 TB/s
+(data/runs.toml; 140 while that run was planned at the SXM's 3.35 TB/s)."""
 
 
 TORCH_ACTIVATIONS = {(False, False): 14.0, (True, False): 25.5, (False, True): 18.0, (True, True): 39.5}
