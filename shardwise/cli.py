@@ -529,9 +529,10 @@ def _plan_search(args, m, c, st) -> None:
         return
     print(f"{m}\n{c}\nsearched {info['weighed']} layouts of global batch {st.global_batch} in {info['seconds']:.1f} s; "
           f"{info['fit']} fit in {c.accel.hbm_bytes / 1e9:.0f} GB per GPU")
+    why = "not yet (pp, hybrid shard, cp, fp8 or recompute)"
     for i, r in enumerate(rows, 1):
         print(f"{i:2d}. {r['layout']:55s} step {r['step_s']:.3f} s  MFU {r['mfu']:.1%}  {r['memory_gb']:.1f} GB  "
-              f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  shardwise: {r['shardwise'] or 'not yet (pp, hybrid shard, cp or recompute)'}")
+              f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  shardwise: {r['shardwise'] or why}")
     if not rows:
         least = info["least"]
         if least is not None:
