@@ -901,3 +901,21 @@ def test_fp8_runs_the_layers_products_at_their_measured_fp8_rate_and_pays_for_th
     from shardwise.planner.search import runs_on_shardwise
 
     assert runs_on_shardwise(one) is None and runs_on_shardwise(dataclasses.replace(one, fp8=False)) is not None
+
+
+def test_search_finds_nemos_tuned_fp8_layouts_of_llama_3_70b_within_5pct():
+    """NeMo's tuned Llama 3 70B layouts on 64 H100s in FP8 (24.07: tp 4 pp 4 cp 2 v 5; 25.11 and 26.02: tp 4 pp 8 v 5),
+    searched over what Megatron-Core runs there (ZeRO-1, no recomputation, their cp): the top layout's predicted step is
+    within 5% of the published one's (its interleaved stages are 1-4, so v 5 is not among them; the 405B's 126 layers
+    on pp 8 x v 8 are not either: bench/results/2026-12-06-plan-fp8.md)."""
+    from shardwise.planner.search import search
+    from shardwise.planner.validation import RUNS
+
+    rows = [r for r in RUNS if r.source in ("nemo_2407", "megatron_bridge") and r.model.name == "llama3-70b"]
+    assert len(rows) == 3
+    for r in rows:
+        c, st = cluster(r.cluster), r.strategy
+        published = estimate(r.model, c, st)
+        top, _ = search(r.model, c, st, space={"zero": [1], "recompute": ["none"], "cp": [st.cp]})
+        assert top[0].strategy.fp8 and top[0].estimate.fits
+        assert abs(top[0].estimate.step_s / published.step_s - 1) <= 0.05, (r.label, top[0].strategy)
