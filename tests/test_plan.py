@@ -892,6 +892,8 @@ def test_fp8_runs_the_layers_products_at_their_measured_fp8_rate_and_pays_for_th
     # no FP8 rates off Hopper: a clear refusal, from the CLI too
     with pytest.raises(ValueError, match="FP8 rates for Hopper GPUs"):
         estimate(m8, cluster("dgx-a100:1"), one)
+    with pytest.raises(ValueError, match="fp8 with a given efficiency"):
+        dataclasses.replace(one, efficiency=0.5)
     from shardwise.cli import main
 
     main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:1", "--global-batch", "8", "--recompute", "none",

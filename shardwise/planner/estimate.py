@@ -143,6 +143,9 @@ class Strategy:
         for k in ("tp", "pp", "micro_batch", "virtual", "ep", "cp"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be at least 1, got {getattr(self, k)}")
+        if self.fp8 and self.efficiency is not None:
+            raise ValueError("fp8 with a given efficiency: the efficiency is a share of the bf16 peak and would replace "
+                             "the FP8 rates; give one of them")
         if self.shard is not None and (self.shard < 1 or self.zero == 0):
             raise ValueError(f"shard={self.shard}: a sharding group needs zero >= 1 and at least one rank")
 
