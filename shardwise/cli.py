@@ -388,8 +388,9 @@ def _plan_parser(sub) -> None:
                         "PyTorch's under torch.autocast")
     p.add_argument("--foreach", action="store_true",
                    help="torch's multi-tensor AdamW: about 20 passes over the fp32 state (fused: 7), an fp32 temporary")
-    p.add_argument("--fp8", action="store_true", help="Transformer Engine's FP8 recipe: the layers' products in FP8 "
-                   "(Hopper GPUs)")
+    p.add_argument("--fp8", nargs="?", const="te", choices=["te", "torchao"], default=None,
+                   help="the layers' products in FP8 (Hopper GPUs) by a recipe: te (Transformer Engine; the default) "
+                   "or torchao (its Float8 training; the rest at the device's bf16 share)")
     p.add_argument("--framework", choices=["fsdp2"], default=None,
                    help="count the data-parallel runtime's own kernels: FSDP2's copy-in and copy-out, by bytes")
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")

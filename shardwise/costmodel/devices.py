@@ -50,10 +50,12 @@ HOPPER_FP8_PRODUCTS = {  # HOPPER_PRODUCTS' layout
 """The same twelve products in FP8 as Transformer Engine's recipes run them on a Hopper (E4M3 forward, E5M2 output
 gradients, one scale per tensor, bf16 out; ``torch._scaled_mm``, cuBLASLt), TFLOP/s, on one H100 (1.15-1.99x its bf16
 rates of the same run, 1.8x at the large shapes: bench/results/2026-12-06-plan-fp8.md)."""
-FP8_EFF_MAX = 0.728
-"""The share of ``HOPPER_FP8_PRODUCTS`` a whole FP8 step holds, fitted on one run only: NeMo's Llama 3 70B on 64
-H100s (Megatron-Bridge, container 26.02, tp=4 pp=8 virtual 5, batch 256; planner/data/runs.toml). Its 12 other FP8 rows
-are blind (bench/results/2026-12-06-plan-fp8.md)."""
+FP8_EFF_MAX = {"te": 0.728, "torchao": 0.676}
+"""The share of ``HOPPER_FP8_PRODUCTS`` a whole FP8 step holds, by recipe, each fitted on one run only. ``te``
+(Transformer Engine): NeMo's Llama 3 70B on 64 H100s (Megatron-Bridge, container 26.02, tp=4 pp=8 virtual 5, batch
+256); its 12 other rows are blind (bench/results/2026-12-06-plan-fp8.md). ``torchao`` (torchao's Float8 training of
+2024-12, dynamic scaling): torchtitan's Llama 3.1 8B FSDP on 8 H100s, Table 1 (bench/results/2026-12-06-plan-torchao
+.md); planner/data/runs.toml."""
 FP8_CAST_BYTES = 6.0
 """HBM bytes per element of an FP8 operand made in a step: current scaling reads the bf16 tensor for its maximum, then
 again to cast it (2 + 2), and writes it and its transpose for the other product that reads it (1 + 1)."""
@@ -122,20 +124,20 @@ class Device:
     def efficiency(self, width: float) -> float:
         return self.clock * self.eff_max * width / (width + self.eff_x0)
 
-    def product_rate(self, width: int, tp: int, tokens: float, fp8: bool = False) -> float:
+    def product_rate(self, width: int, tp: int, tokens: float, fp8: str | None = None) -> float:
         """FLOP/s a whole step holds on the matrix products of a model ``width`` wide cut ``tp`` ways, ``tokens`` per
-        micro-batch: ``eff_max`` of the measured rate of the nearest width and tp (``products``, ``fp8_products``),
-        else of the peak."""
+        micro-batch: ``eff_max`` of the measured rate of the nearest width and tp (``products``; ``fp8_products`` at
+        the FP8 recipe's share), else of the peak."""
         table = self.fp8_products if fp8 else self.products
         if table is None:
             return self.peak_flops * self.efficiency(width / tp)
         w = min(table, key=lambda k: abs(np.log2(k / width)))
         t = min(table[w], key=lambda k: abs(np.log2(k / tp)))
-        return _log_interp(tokens, (2048, 4096, 8192, 16384), table[w][t]) * self.scale(FP8_EFF_MAX if fp8 else None)
+        return _log_interp(tokens, (2048, 4096, 8192, 16384), table[w][t]) * self.scale(FP8_EFF_MAX[fp8] if fp8 else None)
 
     def today(self) -> "Device":
         """A Hopper as its measured tables (products, attention; the H200's) at the share a step holds of them: how
-        the planner runs FP8 jobs, whose published rows all ran Transformer Engine of 2024 or later."""
+        the planner runs Transformer Engine's FP8 jobs, whose published rows all ran its releases of 2024 or later."""
         return replace(self, products=HOPPER_PRODUCTS, attention=HOPPER_ATTENTION, eff_max=H200_EFF_MAX)
 
     def attention_rate(self, seq: int) -> float | None:

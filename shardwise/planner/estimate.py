@@ -50,6 +50,7 @@ RECOMPUTE = ("none", "selective", "selective-op", "block", "full")
 RANK_ORDERS = ("tp-pp-dp", "tp-ep-dp-pp")
 STACKS = ("megatron", "torch", "torch-autocast")
 FRAMEWORKS = (None, "fsdp2")
+FP8_RECIPES = (None, "te", "torchao")
 DP_EXPOSED = 0.1
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 
@@ -122,10 +123,11 @@ class Strategy:
     """PyTorch's default multi-tensor AdamW in place of a fused kernel: its step passes over the fp32
     state about 20 times instead of 7 (costmodel/optimizer.py) and makes an fp32 temporary the size of
     the state it updates (the square root of the second moment)."""
-    fp8: bool = False
-    """Transformer Engine's FP8 recipe (Megatron-Core, NeMo): the layers' products in FP8 at their measured rates, each
-    FP8 operand cast from bf16 (costmodel.devices.FP8_CAST_BYTES); attention and the output layer in bf16. Hopper
-    only."""
+    fp8: str | None = None
+    """An FP8 recipe (Hopper only): the layers' products in FP8 at their measured rates times the recipe's share
+    (costmodel.devices.FP8_EFF_MAX), each FP8 operand cast from bf16 (``FP8_CAST_BYTES``); attention and the output
+    layer in bf16. ``te``: Transformer Engine (Megatron-Core, NeMo), the bf16 work at today's measured rates too;
+    ``torchao``: torchao's Float8 training, the bf16 work at the device's bf16 share (PyTorch's own attention)."""
     framework: str | None = None
     """Whose data-parallel runtime, where it costs time of its own (``FRAMEWORKS``): ``fsdp2`` copies
     each gathered weight out of the all-gather's buffer and each gradient into the reduce-scatter's
@@ -133,7 +135,7 @@ class Strategy:
 
     def __post_init__(self):
         for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS),
-                         ("recompute", RECOMPUTE)):
+                         ("recompute", RECOMPUTE), ("fp8", FP8_RECIPES)):
             if getattr(self, k) not in kinds:
                 raise ValueError(f"{k} must be one of {', '.join(map(str, kinds))}, got {getattr(self, k)!r}")
         if not self.capacity >= 1.0:
@@ -211,7 +213,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if st.fp8:
         if acc.fp8_products is None:
             raise ValueError(f"fp8: the planner has FP8 rates for Hopper GPUs (H100, H200) only, not {acc.label}")
-        acc = acc.today()
+        acc = acc.today() if st.fp8 == "te" else acc
     h, L, b = model.hidden, model.layers, st.micro_batch
 
     # compute: the model's FLOPs (+ one forward of the layers under full recomputation, + attention
@@ -235,27 +237,28 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
     attn_rate = acc.attention_rate(seq) if st.efficiency is None and st.fused_attention else None
     rated: list[str] = []
-    if st.efficiency is None and acc.products is not None:
+    if st.efficiency is None and (acc.products is not None or st.fp8):
         # measured rates: the products at their shape's (width, tp, tokens per micro-batch), flash attention at its
         # sequence's, on the FLOPs it executes (the causal half: 7·d·T a token and layer of PaLM's 12, and half of
-        # a rerun forward's 4)
+        # a rerun forward's 4); unmeasured, at the products' bf16 rate on PaLM's count
         attn = 12.0 * L * model.q_dim * (min(seq, model.window) if model.window else seq)
         attn_rerun = {"selective": 4.0 * L * model.q_dim * seq, "block": 4.0 * L * model.q_dim * seq,
                       "full": attn / 3.0}.get(st.recompute, 0.0)
-        products = fpt + extra + pad - (attn + attn_rerun if attn_rate else 0.0)
-        executed = 7.0 / 12.0 * attn + attn_rerun / 2.0 if attn_rate else 0.0
+        products, executed = fpt + extra + pad - attn - attn_rerun, 7.0 / 12.0 * attn + attn_rerun / 2.0
         prate = acc.product_rate(h, st.tp, b * lseq)
         # FP8: the layers' products at the FP8 rate, the output layer's (6·v·h a token) in bf16
-        head, frate = (6.0 * model.vocab * h, acc.product_rate(h, st.tp, b * lseq, True)) if st.fp8 else (0.0, prate)
-        matmul = tokens / gpus * ((products - head) / frate + head / prate + (executed / attn_rate if attn_rate else 0))
+        head, frate = (6.0 * model.vocab * h, acc.product_rate(h, st.tp, b * lseq, st.fp8)) if st.fp8 else (0.0, prate)
+        attn_t = executed / attn_rate if attn_rate else (attn + attn_rerun) / prate
+        matmul = tokens / gpus * ((products - head) / frate + head / prate + attn_t)
         eff = tokens * (fpt + extra + pad) / gpus / matmul / acc.peak_flops  # the share of peak it comes to
-        rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s ({acc.eff_max} of the rate measured at width "
-                 f"{h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)" + (f", flash attention at {attn_rate / 1e12:.0f} "
-                                                                           "(executed FLOPs)" if attn_rate else "")
-                 + (f", the layers' FP8 products at {frate / 1e12:.0f} ({FP8_EFF_MAX} of their FP8 rate)"
-                    if st.fp8 else "")
-                 + f": {eff:.3f} of peak", f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate"
-                 + (f" + attention {executed:.4g} executed / rate" if attn_rate else "") + f") = {matmul:.4g} s"]
+        rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s (" + (
+                     f"{acc.eff_max} of the rate measured at width {h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)"
+                     if acc.products else "the accelerator's fitted share)")
+                 + (f", flash attention at {attn_rate / 1e12:.0f} (executed FLOPs)" if attn_rate else "")
+                 + (f", the layers' FP8 products at {frate / 1e12:.0f} ({FP8_EFF_MAX[st.fp8]} of their FP8 rate, "
+                    f"{st.fp8})" if st.fp8 else "") + f": {eff:.3f} of peak",
+                 f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate + attention "
+                 + (f"{executed:.4g} executed" if attn_rate else f"{attn + attn_rerun:.4g}") + f" / rate) = {matmul:.4g} s"]
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
     # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
     ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity, st.eager)
