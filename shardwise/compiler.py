@@ -15,6 +15,7 @@ import time
 import warnings
 
 import torch.distributed as dist
+from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graphs
 
 from .capture import batch_signature, capture_step, flatten_batch
 from .config import JobConfig
@@ -198,7 +199,8 @@ class Compiler:
         key = (sig, mode)
         if key not in self.programs:
             t0 = time.perf_counter()
-            self._compile(key, batch, tensors, mode)
+            with lazy_graphs(True):  # a graph's code is made when it first runs: candidates never run
+                self._compile(key, batch, tensors, mode)
             self.written.update(self.programs[key].program.capture.written_buffers)
             self.compiles.append((sig, mode, time.perf_counter() - t0))
             self._warn_shapes()
