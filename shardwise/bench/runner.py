@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import datetime
 import gc
-import importlib.util
+import importlib.metadata
 import json
 import os
 import platform
@@ -303,12 +303,11 @@ def peak_flops(device) -> float | None:
 
 def _versions() -> dict:
     v = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("triton", "deepspeed", "transformers"):
-        if importlib.util.find_spec(pkg) is not None:
-            try:
-                v[pkg] = __import__(pkg).__version__
-            except Exception:  # noqa: BLE001
-                v[pkg] = "present"
+    for pkg in ("triton", "deepspeed", "transformers"):  # read from the installed metadata: importing them is slow
+        try:
+            v[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     if os.environ.get("SHARDWISE_COMMIT"):  # a copy of the tree without its git history (remote machines)
         v["shardwise"] = os.environ["SHARDWISE_COMMIT"]
         return v
