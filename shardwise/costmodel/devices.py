@@ -133,7 +133,8 @@ class Device:
             return self.peak_flops * self.efficiency(width / tp)
         w = min(table, key=lambda k: abs(np.log2(k / width)))
         t = min(table[w], key=lambda k: abs(np.log2(k / tp)))
-        return _log_interp(tokens, (2048, 4096, 8192, 16384), table[w][t]) * self.scale(FP8_EFF_MAX[fp8] if fp8 else None)
+        share = FP8_EFF_MAX[fp8] if fp8 else None
+        return _log_interp(tokens, (2048, 4096, 8192, 16384), table[w][t]) * self.scale(share)
 
     def today(self) -> "Device":
         """A Hopper as its measured tables (products, attention; the H200's) at the share a step holds of them: how

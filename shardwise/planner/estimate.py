@@ -258,7 +258,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                  + (f", the layers' FP8 products at {frate / 1e12:.0f} ({FP8_EFF_MAX[st.fp8]} of their FP8 rate, "
                     f"{st.fp8})" if st.fp8 else "") + f": {eff:.3f} of peak",
                  f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate + attention "
-                 + (f"{executed:.4g} executed" if attn_rate else f"{attn + attn_rerun:.4g}") + f" / rate) = {matmul:.4g} s"]
+                 + (f"{executed:.4g} executed" if attn_rate else f"{attn + attn_rerun:.4g}")
+                 + f" / rate) = {matmul:.4g} s"]
     # memory-bound kernels (norms, activations, residual adds, unfused attention scores) of this GPU's
     # layers on its pipeline's tokens, at the accelerator's elementwise share of HBM bandwidth
     ew_bytes = model.elementwise_bytes(seq, st.tp, st.sp, st.recompute, st.fused_attention, st.capacity, st.eager)
