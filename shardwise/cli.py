@@ -316,10 +316,7 @@ def calibrate_main(args) -> None:
     from shardwise.costmodel import calibrate
 
     mesh = sw.mesh()
-    sizes, s = [], args.min_bytes
-    while s <= args.max_bytes:
-        sizes.append(s)
-        s *= 4
+    sizes = [args.min_bytes * 4**i for i in range(64) if args.min_bytes * 4**i <= args.max_bytes]
     if len(sizes) < 2:
         raise SystemExit("calibrate: --max-bytes must be at least 4x --min-bytes (two sizes are needed to fit)")
     prof, samples = calibrate(mesh.group("dp"), mesh.device, sizes, args.iters, torch.float32, args.name)
@@ -431,12 +428,9 @@ def plan_main(args) -> None:
     if args.sweep in ("grad-sync", "latency"):
         from shardwise.planner import sweep
 
-        if args.sweep == "grad-sync":
-            if not args.model:
-                raise SystemExit("shardwise plan --sweep grad-sync: needs --model")
-            rows = sweep.grad_sync(model(args.model))
-        else:
-            rows = sweep.latency()
+        if args.sweep == "grad-sync" and not args.model:
+            raise SystemExit("shardwise plan --sweep grad-sync: needs --model")
+        rows = sweep.grad_sync(model(args.model)) if args.sweep == "grad-sync" else sweep.latency()
         print(json.dumps(rows, indent=1) if args.json else sweep.table(rows))
         return
     if not args.model or not args.cluster:
@@ -582,10 +576,7 @@ def main(argv=None) -> int:
     fn = {"train": train_main, "explain": explain_main, "calibrate": calibrate_main, "bench": bench_main}[args.cmd]
     from shardwise.runtime.launch import spawn, under_launcher
 
-    if under_launcher():
-        fn(args)
-    else:
-        spawn(fn, args.nproc, args)
+    fn(args) if under_launcher() else spawn(fn, args.nproc, args)
     return 0
 
 

@@ -14,7 +14,8 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
   backward (four all-gathers / reduce-scatters with sequence parallelism, the same bytes), two more under full
   recomputation (block: one, 1.5 with sequence parallelism, where the rerun MLP input is all-gathered again); not
   overlapped (Megatron's default) unless ``tp_exposed`` says what share stays exposed (XLA on TPUs overlaps it);
-- pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute;
+- pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute, and the exchanges between
+  stages (2 per micro-batch and chunk, as exposed as tensor parallel's; the fill's and drain's always);
 - data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the updated shards; zero
   3 adds the forward and backward all-gathers), overlapped with the backward (with a pipeline, the last micro-batch's
   backward) but for the last bucket's share (``dp_exposed``), and all of what outlasts that compute; ZeRO-3 without a
@@ -301,8 +302,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         attn_s = matmul * 12.0 * L * model.q_dim * (min(seq, model.window) if model.window else seq) / (fpt + extra + pad)
         cp_exposed = max(DP_EXPOSED * cp_comm, cp_comm - attn_s)
 
-    # pipeline bubble (1F1B, interleaved by `virtual`)
+    # pipeline bubble (1F1B, interleaved by `virtual`); each micro-batch enters each of a stage's chunks and its gradient
+    # leaves it: 2·m·v exchanges with the next stage (tp·cp ranks on, or tp·cp·dp where the pipeline is outermost) of
+    # 1/tp of the activations each (sp's shard, or Megatron's scatter/gather), as exposed as the tensor-parallel share (a
+    # stack overlapping one overlaps both), but the fill's and drain's 2·(pp-1)
     bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
+    p2p_one = cluster.collective_s("all_to_all", 2 * act_bytes / st.tp, 2 if st.pp > 1 else 1,
+                                   st.tp * st.cp * (1 if st.rank_order == "tp-pp-dp" else dp))
 
     # data parallel: gradients of this stage's tensor-parallel shard; an expert's over the dp/ep
     # ranks that hold it, the rest over all dp ranks
@@ -351,6 +357,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     floor = DP_EXPOSED if st.dp_exposed is None else st.dp_exposed
     dp_exposed = max(floor * (dp_comm - late), dp_comm - late - window) + late
     tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else DP_EXPOSED)
+    bubble += (p2p := max(tp_share * 2 * m * st.virtual, 2 * (st.pp - 1)) * p2p_one)
     stalls = tp_share * tp_comm + ep_comm + cp_exposed  # the compute lane's own waits, inside its layers
     dp_formula = ""
     g = lambda x: f"{x:.4g}"  # noqa: E731
@@ -432,7 +439,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         + f"; compute = {g(compute)} s",
         f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
-        f"bubble = (pp-1)/(m·v)·compute = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} = {g(bubble)} s",
+        f"bubble = (pp-1)/(m·v)·compute + the exposed exchanges with the next stage, max({tp_share:.0%}·2·m·v, "
+        f"2·(pp-1)) x {g(p2p_one)} s = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} + {g(p2p)} = {g(bubble)} s",
         dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
         + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")

@@ -1,8 +1,9 @@
 """``shardwise plan --search``: the fastest layouts of a model on a cluster for a global batch, by the planner's
 estimate (estimate.py), and what would make a job fit where none does.
 
-The space: tp inside a node (powers of two), pipeline stages (divisors of the layers and powers of two) with 1-4
-interleaved stages, ZeRO 0-3 and hybrid sharding over a node, ep, micro-batches of 1-8, every recompute policy, sp with
+The space: tp inside a node (powers of two), pipeline stages (divisors of the layers and powers of two) with 1-20
+interleaved stages that split the layers evenly or do with the embedding and the loss as a layer each (Megatron-Core's
+split of Llama 3 405B's 126 layers over pp 8 x v 8), ZeRO 0-3 and hybrid sharding over a node, ep, micro-batches of 1-8, every recompute policy, sp with
 tp; the base strategy's other fields kept. Layouts that do not fit are dropped, the rest ranked by predicted step."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .estimate import RECOMPUTE, Strategy, estimate
 from .models import ModelSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
-VIRTUAL = (1, 2, 3, 4)
+VIRTUAL = tuple(range(1, 21))
 
 
 def _powers(limit: int) -> list[int]:
@@ -62,7 +63,7 @@ def _rest(m, c, base, gpus, tp, pp, cp, gb, only):
     per_rank = gb // dp
     eps = only("ep", [e for e in _divisors(dp, m.experts) if m.experts % e == 0] if m.experts > 1 else [1])
     virtuals = [v for v in only("virtual", VIRTUAL if pp > 1 else (1,))
-                if m.layers >= pp * v and (v == 1 or m.layers % (pp * v) == 0)]
+                if m.layers >= pp * v and (v == 1 or m.layers % (pp * v) == 0 or (m.layers + 2) % (pp * v) == 0)]
     mbs = [mb for mb in only("micro_batch", MICRO_BATCHES) if per_rank % mb == 0]
     for virtual, mb, zero in itertools.product(virtuals, mbs, only("zero", (0, 1, 2, 3))):
         shards = [None] + ([c.per_node] if zero and c.rings and dp > c.per_node and dp % c.per_node == 0 else [])
