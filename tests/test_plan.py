@@ -149,10 +149,16 @@ def test_predictions_hold_the_published_runs_within_10pct():
     # MaxText on TPU v5p slices of 64-512 chips, tensor parallel across torus axes, blind: the
     # selectively recomputed runs within 10% (its one fully rematerialized run, planned as per-layer
     # "block" recomputation, is 10.6% slow)
-    tpu = [r for r in rows if r["source"] == "maxtext" and not r["fitted"] and "minimal" in r["run"]]
+    tpu = [r for r in rows if r["source"] == "maxtext" and not r["fitted"] and "minimal" in r["run"] and " x " not in r["run"]]
     assert len(tpu) == 4
     for r in tpu:
         assert abs(r["error"]) <= 0.10, r
+    # two slices over the data-center network, blind: 32B-128B on 64-128 chips a slice within 2%; 128B on 2 x 256 and
+    # 256B on 2 x 512 chips 14% and 12% fast (one slice of each 4% and 8% fast)
+    two = {r["run"].split(" on ")[0] + "/" + r["run"].split("(")[1].split()[0]: r["error"] for r in rows
+           if r["source"] == "maxtext" and " x TPU v5p" in r["run"]}
+    assert len(two) == 6 and all(abs(two[k]) <= 0.02 for k in ("32B/128", "64B/128", "128B/256")), two
+    assert -0.15 < two["128B/512"] < -0.10 and -0.15 < two["256B/1024"] < -0.10, two
     # MaxText on one v5e-256 (a 2-D torus), FSDP over all of it with full remat: 32B and 64B blind
     one = [r for r in rows if r["source"] == "maxtext_v5e" and not r["fitted"] and " x TPU" not in r["run"]]
     assert len(one) == 2
@@ -467,8 +473,13 @@ def test_multi_slice_tpu_clusters_join_slices_over_the_data_center_network():
     assert c.levels(4, 256) == [(4, dcn)]
     S = 1 << 28
     assert c.collective_s("all_reduce", S, 4, 256) > 10 * c.collective_s("all_reduce", S, 16)
-    with pytest.raises(ValueError, match="not known"):
-        cluster("tpu-v5p:4x4x4*2")
+    # v5p's slices: 50 Gb/s per chip (its documentation); v4's data-center network is not known to the planner
+    v5p = cluster("tpu-v5p:4x4x4*2")
+    assert v5p.gpus == 128 and v5p.dims[3][1].busbw == pytest.approx(50e9 / 8)
+    assert v5p.levels(2, 64) == [(2, v5p.dims[3][1])]
+    with pytest.raises(ValueError, match="the data-center network between tpu-v4 slices is not known; multi-slice: "
+                                         "tpu-v5e, tpu-v5p"):
+        cluster("tpu-v4:4x4x4*2")
     with pytest.raises(ValueError, match="SLICES"):
         cluster("tpu-v5e:16x16*two")
 
@@ -575,12 +586,13 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (117, 107)
+    assert (len(rows), len(blind)) == (125, 115)
     # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before the FP8 rows
     # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%), 82 of 106 while torchtitan's Float8
     # rows ran Transformer Engine's recipe (7 misses, 7.5-54% fast); as torchao's (fitted on Table 1,
     # bench/results/2026-12-06-plan-torchao.md) only the CP 4 and CP 8 rows at 131k-262k tokens miss
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 88  # 86 of 105 before the Llama 3 paper's two 405B rows
+    # 86 of 105 before the Llama 3 paper's two 405B rows, 88 of 107 before MaxText's 8 rows on two v5p slices (5 within)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 93
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
     assert len(titan8) == 8 and sum(r["fitted"] for r in titan8) == 1
     assert [r["run"] for r in titan8 if abs(r["error"]) > 0.10] == [r["run"] for r in titan8 if "CP 4" in r["run"]

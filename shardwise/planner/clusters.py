@@ -77,7 +77,8 @@ TPUS = {"tpu-v4": (DEVICES["tpu-v4"], 4.5e10, 3, 4), "tpu-v5p": (DEVICES["tpu-v5
 ICI_HOP_S = 1e-6  # about 1 µs per hop (scaling-book)
 # slices of a multi-slice job meet over the data-center network: per chip, its host's NICs shared by
 # the host's chips (Cloud TPU documentation, v5e: 2 x 100 Gb/s per host of 8 chips, 6.4 Tb/s per pod)
-DCN = {"tpu-v5e": Level("DCN (2 x 100 Gb/s per host of 8 chips)", 2 * 100e9 / 8 / 8, 14e-6)}
+DCN = {"tpu-v5e": Level("DCN (2 x 100 Gb/s per host of 8 chips)", 2 * 100e9 / 8 / 8, 14e-6),
+       "tpu-v5p": Level("DCN (50 Gb/s per chip)", 50e9 / 8, 14e-6)}  # v5p's: the documentation's, per chip
 DCN_SPINE = 3.9e12
 """Bytes/s the data-center network carries between all the slices of a job together (31 Tb/s): a
 chip's share falls below its host's NICs' beyond 4 v5e-256 slices. Fitted on MaxText's 64B step
@@ -162,8 +163,7 @@ def cluster(spec: str, fabric: str | None = None) -> ClusterSpec:
         f = network(fabric)
         alpha = f["latency"] * 1e-6 if "latency" in f else IB_NDR.alpha  # the cost model's, where not given
         inter = Level(f"custom fabric {f['bw']:g} GB/s per GPU", f["bw"] * 1e9, alpha)
-        leaf = int(f.get("leaf", nodes))
-        if leaf < nodes:
+        if (leaf := int(f.get("leaf", nodes))) < nodes:
             if nodes % leaf:
                 raise ValueError(f"--network leaf={leaf} does not divide the {nodes} nodes of {spec}")
             spine = Level(f"spine ({f['oversub']:g}:1 oversubscribed)", f["bw"] * 1e9 / f["oversub"], inter.alpha)
