@@ -484,6 +484,18 @@ def test_multi_slice_tpu_clusters_join_slices_over_the_data_center_network():
         cluster("tpu-v5e:16x16*two")
 
 
+def test_tpu_v3_is_a_2d_torus_of_its_datasheet():
+    """TPU v3 (Cloud TPU's v3 page): 123 TFLOP/s bf16, 32 GB at 900 GB/s, a 32x32 2-D torus whose 6.4 TB/s bisection
+    crosses 64 links (100 GB/s a link one way; a full axis rings both ways); a job on it plans like any TPU slice."""
+    pod, part = cluster("tpu-v3:32x32"), cluster("tpu-v3:16x16")
+    assert pod.gpus == 1024 and pod.accel.peak_flops == 123e12 and pod.accel.hbm_bw == 0.9e12
+    assert pod.dims[0][1].busbw == 2e11 and part.dims[0][1].busbw == 1e11  # 16 chips a line: no wraparound
+    e = estimate(model("llama3-8b"), pod, Strategy(zero=3, micro_batch=1, seq=2048, global_batch=1024))
+    assert e.fits and 0.2 < e.mfu < 0.7
+    with pytest.raises(ValueError, match="tpu-v3 is a 2-D torus: give 2 axis lengths"):
+        cluster("tpu-v3:4x4x4")
+
+
 def test_slices_share_one_data_center_spine_and_reduce_across_it_after_the_backward():
     from shardwise.planner.clusters import DCN_SPINE
 

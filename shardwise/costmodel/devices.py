@@ -170,7 +170,8 @@ DEVICES = {
     "a100": Device("a100", 250e12, 1.6e12, 312e12, 80e9, 2.0e12, label="A100 SXM 80GB", match=("a100",), tdp=400.0),
     # TPUs (Cloud TPU documentation, jax-ml/scaling-book). v5p's share is fitted on one run: MaxText's 32B
     # model on v5p-128; v5e's on its 16B model on one v5e-256 with full remat, planned as per-layer
-    # (block) recomputation (planner/validation.py); v4 and v6e use the A100's
+    # (block) recomputation (planner/validation.py); v3, v4 and v6e use the A100's
+    "tpu-v3": _datasheet("tpu-v3", "TPU v3", 123e12, 32e9, 0.9e12),
     "tpu-v4": _datasheet("tpu-v4", "TPU v4", 275e12, 32e9, 1.2e12),
     "tpu-v5p": _datasheet("tpu-v5p", "TPU v5p", 459e12, 95e9, 2.76e12, eff_max=0.753),
     "tpu-v5e": _datasheet("tpu-v5e", "TPU v5e", 197e12, 16e9, 0.82e12, eff_max=0.824),

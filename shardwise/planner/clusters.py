@@ -72,7 +72,8 @@ NODES = {
 
 # TPUs (Cloud TPU documentation, jax-ml/scaling-book; shared/notes/cost-models.md §2): the chip (the device table's),
 # one-way ICI bandwidth per link, torus rank, the axis length that carries a wraparound link (a full axis)
-TPUS = {"tpu-v4": (DEVICES["tpu-v4"], 4.5e10, 3, 4), "tpu-v5p": (DEVICES["tpu-v5p"], 9e10, 3, 4),
+TPUS = {"tpu-v3": (DEVICES["tpu-v3"], 1e11, 2, 32),  # a 32x32 pod: its 6.4 TB/s bisection over the 64 links of a cut
+        "tpu-v4": (DEVICES["tpu-v4"], 4.5e10, 3, 4), "tpu-v5p": (DEVICES["tpu-v5p"], 9e10, 3, 4),
         "tpu-v5e": (DEVICES["tpu-v5e"], 5e10, 2, 16), "tpu-v6e": (DEVICES["tpu-v6e"], 1e11, 2, 16)}
 ICI_HOP_S = 1e-6  # about 1 µs per hop (scaling-book)
 # slices of a multi-slice job meet over the data-center network: per chip, its host's NICs shared by

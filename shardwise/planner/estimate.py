@@ -321,8 +321,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     inner = st.tp * st.pp if st.rank_order == "tp-pp-dp" else st.tp  # how far apart a dp group's ranks are
     groups = [(dense_params, sdp, inner), (expert_params, sdp // st.ep, inner * st.ep)]
 
-    def group(n):  # the sharding group of a data-parallel axis of n ranks
-        return n if st.shard is None else min(st.shard, n)
+    group = lambda n: n if st.shard is None else min(st.shard, n)  # noqa: E731 - a dp axis of n ranks' sharding group
 
     # the framework's own kernels on the compute lane: FSDP2 per micro-batch copies each gathered 16-bit
     # weight out of the all-gather's buffer (read and write: 4 B), casts this rank's fp32 shard into it

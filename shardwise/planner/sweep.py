@@ -104,8 +104,7 @@ def plot(rows: list[dict], key: str, path: str, title: str) -> str:
         ax.text(x, r["tokens_per_s_per_gpu"], f"{r['step_s']:.2f} s\n{r['memory_gb']:.0f} GB\nMFU {r['mfu']:.0%}",
                 ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(xs), [str(r[key]) for r in ok], fontsize=8)
-    ax.set_xlabel(key)
-    ax.set_ylabel("tokens/s per GPU (red: does not fit)")
+    ax.set(xlabel=key, ylabel="tokens/s per GPU (red: does not fit)")
     ax.set_title(title, fontsize=8)
     ax.margins(y=0.25)
     fig.tight_layout()
