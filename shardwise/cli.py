@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from .errors import size_text
@@ -107,13 +108,11 @@ def memory_kw(args) -> dict:
 
 
 def _host_share(v: str):
-    if v == "auto":
-        return v
     try:
-        f = float(v)
+        f = v if v == "auto" else float(v)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a share in [0, 1], got {v!r}") from None
-    if not 0 <= f <= 1:
+        f = -1.0
+    if f != "auto" and not 0 <= f <= 1:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a share in [0, 1], got {v!r}")
     return f or False
 
@@ -271,13 +270,10 @@ def bench_config(args):
     """The bench's configuration from the flags, validated (before any rank starts)."""
     from shardwise.bench import BenchConfig
 
-    return BenchConfig(model=args.model, size=args.size, batch=args.batch, seq=args.seq, precision=args.precision,
-                       checkpoint=args.checkpoint, strategy=args.strategy, executor=args.compile, steps=args.steps,
-                       warmup=args.warmup, seed=args.seed, systems=[s for s in args.systems.split(",") if s],
-                       memory_fraction=args.memory_fraction, link_profile=args.link_profile, trace_dir=args.trace_dir,
-                       memory_sites=args.memory_sites, system_timeout=args.system_timeout, tp=args.tp, sp=args.sp,
-                       vocab_parallel=None if args.vocab_parallel == "auto" else args.vocab_parallel == "on",
-                       capacity_factor=args.capacity_factor)
+    same = {f.name for f in dataclasses.fields(BenchConfig) if hasattr(args, f.name)} - {"systems", "vocab_parallel"}
+    return BenchConfig(**{k: getattr(args, k) for k in same}, executor=args.compile,  # the flags named as its fields
+                       systems=[s for s in args.systems.split(",") if s],
+                       vocab_parallel=None if args.vocab_parallel == "auto" else args.vocab_parallel == "on")
 
 
 def bench_main(args) -> None:
@@ -323,8 +319,6 @@ def calibrate_main(args) -> None:
     from shardwise.kernels import available
 
     if available(mesh.device):  # the fused tp kernels' product rate, per class (the slowest rank's)
-        import dataclasses
-
         from shardwise.costmodel.fused import CALIBRATION_SHAPES, KERNEL_EFFICIENCY
         from shardwise.kernels.ag_gemm import product_share
 
@@ -412,7 +406,6 @@ def _plan_parser(sub) -> None:
 
 
 def plan_main(args) -> None:
-    import dataclasses
     import json
 
     from shardwise.planner.clusters import cluster
@@ -443,13 +436,8 @@ def plan_main(args) -> None:
             v = getattr(args, name)
             if v is not None and not 0 <= v <= 1:
                 raise ValueError(f"--{name.replace('_', '-')} is a share of the communication, 0 to 1; got {v}")
-        st = Strategy(tp=args.tp, pp=args.pp, zero=args.zero, micro_batch=args.micro_batch,
-                      global_batch=args.global_batch, seq=args.seq, recompute=args.recompute, sp=not args.no_sp,
-                      virtual=args.virtual, ep=args.ep, efficiency=args.efficiency, shard=args.shard,
-                      capacity=args.capacity, fused_attention=not args.unfused_attention, tp_exposed=args.tp_exposed,
-                      dp_exposed=args.dp_exposed, rank_order=args.rank_order, reduce_fp32=args.reduce_fp32, cp=args.cp,
-                      eager=args.eager, stack=args.stack, foreach=args.foreach, framework=args.framework,
-                      fp8=args.fp8)
+        st = Strategy(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Strategy) if hasattr(args, f.name)},
+                      sp=not args.no_sp, fused_attention=not args.unfused_attention)  # the flags named as its fields
         if args.search:
             return _plan_search(args, m, c, st)
         if args.sweep:

@@ -92,8 +92,7 @@ def compile(model: nn.Module, optimizer: Callable | None = None, strategy: str =
         timeout=timeout)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile: model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is None:
-        optimizer = lambda params: torch.optim.AdamW(params, lr=3e-4)  # noqa: E731
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer= takes a factory, not an optimizer built on the full parameters: "
                         "pass e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)")

@@ -654,6 +654,29 @@ def test_cli_plan_search_lists_layouts_says_what_shardwise_runs_and_what_would_f
         main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--search"])
 
 
+def test_deepseek_v3s_config_reads_as_latent_attention_and_dense_first_layers(tmp_path):
+    """DeepSeek-V3's config.json (multi-head latent attention: queries through rank 1536, keys and values from a
+    512-wide latent, 64 rotary dims a head; its first 3 of 61 layers dense): the published 671B parameters and 37B
+    activated a token; its MLA attention is 187M weights a layer where standard attention of its shape would be 470M."""
+    cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 129280,
+           "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+           "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+           "v_head_dim": 128, "max_position_embeddings": 163840, "tie_word_embeddings": False}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    m = from_hf_config(str(p))
+    assert (m.q_lora, m.kv_lora, m.rope_dim, m.head_dim, m.dense_layers, m.dense_ffn) == (1536, 512, 64, 128, 3, 18432)
+    assert abs(m.params() / 671e9 - 1) < 0.005 and abs(m.active_params() / 37e9 - 1) < 0.03, (m.params(), m.active_params())
+    mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * (1 + 128 * 256) + 128 * 128 * 7168
+    assert m.attention_params() == mla and dataclasses.replace(m, kv_lora=0, rope_dim=0).attention_params() == 4 * 7168 * 16384
+    assert m.q_dim == 128 * 160  # attention's FLOPs on the mean of the query-key (192) and value (128) widths
+    # three dense layers: the routed experts of 58 layers; a plan on 256 H100s with ep 8 fits and holds them
+    e = estimate(m, cluster("dgx-h100:32"), Strategy(tp=1, pp=8, ep=32, zero=1, micro_batch=1, global_batch=1024,
+                                                     seq=4096, recompute="full"))
+    assert e.step_s > 0 and e.memory["total"] < 80e9, e.memory
+
+
 def test_hf_configs_of_gpt2_and_opt_are_read_as_their_own_mlp_and_positions(tmp_path):
     """GPT-2 small (124M) and OPT-125M from their config.json keys: a two-matrix MLP (4 x width where
     the file gives none), learned positions, biases, a tied head, dropout; the published counts."""

@@ -259,13 +259,9 @@ def recompile_reasons(seen: dict) -> list[str]:
         from torch._dynamo.utils import guard_failures
     except ImportError:
         return []
-    new = []
-    for code, rs in list(guard_failures.items()):
-        for r in rs:
-            key = f"{getattr(code, 'co_name', code)}: {r}"
-            if key not in seen:
-                seen[key] = None
-                new.append(key)
+    keys = (f"{getattr(code, 'co_name', code)}: {r}" for code, rs in list(guard_failures.items()) for r in rs)
+    new = [k for k in dict.fromkeys(keys) if k not in seen]
+    seen.update(dict.fromkeys(new))
     return new
 
 

@@ -46,8 +46,7 @@ def measure(device: torch.device, nbytes: int = 256 * 2**20, iters: int = 5) -> 
     host_out = torch.empty(n, dtype=torch.float32, pin_memory=cuda)
     dev_in = torch.empty(n, dtype=torch.float32, device=device)
     dev_out = torch.ones(n, dtype=torch.float32, device=device)
-    s1 = torch.cuda.Stream(device) if cuda else None
-    s2 = torch.cuda.Stream(device) if cuda else None
+    s1, s2 = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
 
     def timed(fn):
         ts = []

@@ -49,11 +49,9 @@ class CostModel:
         """The cost model of a job on ``device_type`` over ``backend``: ``link_profile`` is a preset
         name, a JSON file from ``shardwise calibrate``, a ``LinkProfile``, or None for the backend's
         preset (gloo: ``cpu-gloo``; NCCL: our two H200s' calibrated link)."""
-        lp = link_profile
+        lp = link_profile if link_profile is not None else "cpu-gloo" if backend == "gloo" else "h200-nv18-x2"
         if isinstance(lp, str):
             lp = PRESETS[lp] if lp in PRESETS else LinkProfile.load(lp)
-        if lp is None:
-            lp = PRESETS["cpu-gloo" if backend == "gloo" else "h200-nv18-x2"]
         dev = cuda_device(device_name) if device_type == "cuda" else DEVICES["cpu"]
         host = (lp.host_link() if isinstance(lp, LinkProfile) else None) or (PCIE5 if device_type == "cuda" else CPU_POOL)
         return cls(dev, lp, host, fused)

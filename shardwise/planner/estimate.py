@@ -220,7 +220,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # compute: the model's FLOPs (+ one forward of the layers under full recomputation, + attention
     # under selective) spread over every GPU
     fpt = model.flops_per_token(seq)
-    layer_matmul = model.layer_params(True) - 2 * h  # weights a token multiplies in one layer
+    layer_matmul = model.layers_params(True) / L - 2 * h  # weights a token multiplies in a layer
     extra = {"none": 0.0, "selective": 4.0 * L * model.q_dim * seq,
              "selective-op": L * layer_matmul,  # half of the layers' forward matrix products (2 FLOPs a weight)
              # the forward's products but a dense layer's down projection, and attention's forward (12·L·d·T / 3); an
@@ -233,7 +233,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     pad = 0.0
     if model.experts > 1 and st.capacity > 1.0:
         expert_matmul = model.expert_params() - (model.ffn + h if model.bias else 0)
-        pad = 6.0 * L * model.top_k * expert_matmul * (st.capacity - 1.0) * (4.0 / 3.0 if layer_rerun else 1.0)
+        pad = 6.0 * (L - model.dense_layers) * model.top_k * expert_matmul * (st.capacity - 1.0) * (1 + layer_rerun / 3)
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
     attn_rate = acc.attention_rate(seq) if st.efficiency is None and st.fused_attention else None
@@ -312,7 +312,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
     # data parallel: gradients of this stage's tensor-parallel shard; an expert's over the dp/ep
     # ranks that hold it, the rest over all dp ranks
-    expert = model.layers * model.experts * model.expert_params() if model.experts > 1 else 0
+    expert = (model.layers - model.dense_layers) * model.experts * model.expert_params() if model.experts > 1 else 0
     dense_params = (model.params() - expert) / (st.tp * st.pp)
     expert_params = expert / (st.tp * st.pp * st.ep)
     shard_params = dense_params + expert_params
@@ -407,7 +407,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         # 16-bit copies for compute: all of them unless ZeRO-3; under ZeRO-3 the root's (embedding and
         # head, gathered to the backward, as FSDP2 holds its root's) and two layers' (one prefetched),
         # then in the backward a layer's whole gradient in 16 bits and in fp32 for its reduction
-        experts = expert / model.layers
+        experts = expert / (model.layers - model.dense_layers)
         layer = (model.layer_params() - experts) / st.tp + experts / (st.tp * st.ep)
         root = (model.embedding_params() + model.head_params()) / st.tp
         whole = dense_params + expert_params

@@ -39,6 +39,14 @@ class ModelSpec:
     shared_ffn: int = 0
     """MoE: the inner width of the shared expert(s) every token also passes through (Qwen-MoE,
     DeepSeek), a gated MLP beside the routed ones; 0: none."""
+    q_lora: int = 0
+    kv_lora: int = 0
+    rope_dim: int = 0
+    """Multi-head latent attention (DeepSeek) where ``kv_lora`` > 0: the queries' bottleneck rank (0: none), the rank of
+    the keys' and values' latent, the rotary width a query and key head add to ``head_size`` (a value head's width)."""
+    dense_layers: int = 0
+    dense_ffn: int = 0
+    """MoE: the first ``dense_layers`` layers have a dense gated MLP ``dense_ffn`` wide (DeepSeek)."""
 
     @property
     def head_dim(self) -> int:
@@ -46,11 +54,15 @@ class ModelSpec:
 
     @property
     def q_dim(self) -> int:
-        """Width of the queries and of the attention output (heads x head size)."""
-        return self.heads * self.head_dim
+        """Width of the queries and of the attention output (heads x head size; MLA: their mean)."""
+        return self.heads * (self.head_dim + self.rope_dim // 2)
 
     def attention_params(self) -> int:
-        h, q, kv = self.hidden, self.q_dim, self.kv_heads * self.head_dim
+        h, q, kv, n, r = self.hidden, self.q_dim, self.kv_heads * self.head_dim, self.heads, self.q_lora
+        if self.kv_lora:  # MLA: the queries' bottleneck (and its norm), the latent and the shared rotary key, up, out
+            qk = n * (self.head_dim + self.rope_dim)
+            return ((h * r + r + r * qk) if r else h * qk) + h * (self.kv_lora + self.rope_dim) + self.kv_lora * (
+                1 + 2 * n * self.head_dim) + n * self.head_dim * h
         return h * q + 2 * h * kv + q * h + (q + h + 2 * kv if self.bias else 0)
 
     def expert_params(self) -> int:
@@ -65,6 +77,10 @@ class ModelSpec:
         shared = 3 * self.hidden * self.shared_ffn
         return self.attention_params() + experts * self.expert_params() + router + norms + shared
 
+    def layers_params(self, active: bool = False) -> int:  # every layer's, the first dense_layers with a dense MLP
+        dense = self.attention_params() + 3 * self.hidden * self.dense_ffn + 2 * self.hidden
+        return (self.layers - self.dense_layers) * self.layer_params(active) + self.dense_layers * dense
+
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + self.learned_positions * self.hidden
 
@@ -74,7 +90,7 @@ class ModelSpec:
     def params(self, active: bool = False) -> int:
         """All parameters; ``active``: those one token passes through (MoE: ``top_k`` experts per layer)."""
         final_norm = self.hidden * (2 if self.bias else 1)
-        return self.embedding_params() + self.head_params() + self.layers * self.layer_params(active) + final_norm
+        return self.embedding_params() + self.head_params() + self.layers_params(active) + final_norm
 
     def active_params(self) -> int:
         return self.params(active=True)
@@ -83,7 +99,7 @@ class ModelSpec:
         """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is no multiply; a tied
         head still is one) plus 12·L·d·T for attention (PaLM's formula; d the query width, heads x head size; T the keys
         a query attends to: the window, where one is shorter than the sequence)."""
-        matmul = self.layers * (self.layer_params(True) - 2 * self.hidden) + self.vocab * self.hidden
+        matmul = self.layers_params(True) - self.layers * 2 * self.hidden + self.vocab * self.hidden
         seq = seq or self.seq
         return flops_per_token(matmul, self.layers, self.q_dim, min(seq, self.window) if self.window else seq)
 
@@ -224,12 +240,16 @@ def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
     seq = _first(c, "max_position_embeddings", "n_positions", "seq_length", default=4096 if not plain else 2048)
     bias = bool(_first(c, "attention_bias", "enable_bias", "bias", default=plain and kind != "falcon"))
     dropout = any((_first(c, k, default=0) or 0) > 0 for k in ("resid_pdrop", "dropout", "hidden_dropout"))
+    dense = (c.get("first_k_dense_replace") or 0) if experts > 1 else 0  # DeepSeek: dense MLPs first, and MLA
+    mla = dict(q_lora=c.get("q_lora_rank") or 0, kv_lora=c.get("kv_lora_rank") or 0, dense_layers=dense,
+               rope_dim=c.get("qk_rope_head_dim") or 0, dense_ffn=dense and c["intermediate_size"])
     return ModelSpec(name or c.get("_name_or_path") or kind or "hf-model", layers, hidden, heads,
                      _first(c, "num_key_value_heads", "num_kv_heads", default=heads), ffn, vocab, seq=seq,
                      gated=not plain, tied=bool(c.get("tie_word_embeddings", plain)),
                      experts=experts, top_k=_first(c, "num_experts_per_tok", default=1), bias=bias,
                      learned_positions=seq if kind in LEARNED_POSITIONS else 0, dropout=dropout,
-                     head_size=c.get("head_dim") or 0, window=window or 0, shared_ffn=shared if experts > 1 else 0)
+                     head_size=_first(c, "qk_nope_head_dim", "head_dim", default=0), window=window or 0,
+                     shared_ffn=shared if experts > 1 else 0, **mla)
 
 
 def model(name_or_path: str) -> ModelSpec:
