@@ -1073,10 +1073,11 @@ def ep_refused(case: str):
     job.step(make_batch("moe", 0, dist.get_rank()))
 
 
-def ep_tp_run(strategy: str, steps: int, save: str | None = None, device: str = "cpu", **compile_kw):
+def ep_tp_run(strategy: str, steps: int, save: str | None = None, device: str = "cpu", save_after: int | None = None,
+              **compile_kw):
     """The tiny fp64 MoE (capacity 2) on a mesh of ep=2 x tp=2, each tp pair taking the batch of its
     ep rank: (losses, full_state_dict, rank 0's step collectives by (axis, kind, phase), explain).
-    ``save``: a checkpoint written there at the end."""
+    ``save``: a checkpoint written there after ``save_after`` steps (default: at the end)."""
     from collections import Counter
 
     from shardwise.sharding.collective import collective_of
@@ -1084,9 +1085,11 @@ def ep_tp_run(strategy: str, steps: int, save: str | None = None, device: str = 
     job = sw.compile(make_model("moe", "fp64", capacity_factor=2.0).to(device), optimizer=adamw, strategy=strategy,
                      mesh=sw.mesh(ep=2, tp=2, device=device), **compile_kw)
     r = job.mesh.batch_rank()
-    losses = [float(job.step(tuple(t.to(device) for t in make_batch("moe", s, r)))) for s in range(steps)]
-    if save is not None:
-        job.save(save)
+    losses = []
+    for s in range(steps):
+        losses.append(float(job.step(tuple(t.to(device) for t in make_batch("moe", s, r)))))
+        if save is not None and s + 1 == (save_after or steps):
+            job.save(save)
     prog = job.programs()[0]
     counts = Counter((c.axis, c.kind, c.phase) for c in map(collective_of, prog.collective_nodes()))
     return losses, job.full_state_dict(), counts, job.explain()

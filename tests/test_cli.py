@@ -59,14 +59,17 @@ def test_train_with_expert_parallelism(tmp_path):
     losses = [float(m.group(3)) for m in (STEP.search(ln) for ln in out.splitlines() if ln.startswith("step")) if m]
     assert len(losses) == 8 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
     # bench: shardwise with ep=2 and without, beside FSDP2, in one record
+    ep = "shardwise:ep=2+carveout=16"
     out = run_cli("bench", "--model", "moe", "--size", "tiny", "--capacity-factor", "1.25", "--nproc", "2",
-                  "--systems", "shardwise,shardwise:ep=2,fsdp2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path))
+                  "--systems", f"shardwise,{ep},fsdp2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path))
     import json
 
     with open(next(tmp_path.glob("*.json"))) as f:
         rec = json.load(f)
     rows = {r["system"]: r for r in rec["results"]}
-    assert set(rows) == {"shardwise", "shardwise:ep=2", "fsdp2"} and all(r["step_s"] for r in rows.values()), rows
+    assert set(rows) == {"shardwise", ep, "fsdp2"} and all(r["step_s"] for r in rows.values()), rows
+    # carveout=16: the products predicted beside a collective were carved (inert on CPU); not without it
+    assert rows[ep]["schedule"]["carved_products"] > 0 and rows["shardwise"]["schedule"]["carved_products"] == 0
     # shardwise's rows may take an ep axis beside a tp one (the compiler builds ep x tp: test_ep.py)
     from shardwise.bench.config import BenchConfig
 
@@ -187,15 +190,14 @@ def test_bench_writes_json_and_plot(tmp_path):
     import json
 
     out = run_cli("bench", "--model", "gpt", "--size", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
-                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0+fused=1,shardwise:carveout=16,ddp,"
-                  "fsdp2:fused=1",
+                  "--systems", "shardwise,shardwise-noopt:bucket_mb=0+fused=1,ddp,fsdp2:fused=1",
                   "--out", str(tmp_path), "--link-profile", "cpu-gloo", "--trace-dir", str(tmp_path / "tr"),
                   "--name", "t")
     rec = json.loads((tmp_path / "t.json").read_text())
     assert rec["config"]["link_profile"] == "cpu-gloo"
     # one gzipped chrome trace per system, from rank 0
     traces = sorted(p.name for p in (tmp_path / "tr").iterdir())
-    assert len(traces) == 5 and "shardwise-noopt_bucket_mb0_fused1.json.gz" in traces, traces
+    assert len(traces) == 4 and "shardwise-noopt_bucket_mb0_fused1.json.gz" in traces, traces
     import gzip
 
     assert json.loads(gzip.decompress((tmp_path / "tr" / "ddp.json.gz").read_bytes()))["traceEvents"]
@@ -203,8 +205,8 @@ def test_bench_writes_json_and_plot(tmp_path):
     for k in ("name", "date", "machine", "gpus", "versions", "command", "config", "results"):
         assert k in rec
     rows = {r["system"]: r for r in rec["results"]}
-    noopt, carved = "shardwise-noopt:bucket_mb=0+fused=1", "shardwise:carveout=16"
-    assert set(rows) == {"shardwise", noopt, carved, "ddp", "fsdp2:fused=1"}, out
+    noopt = "shardwise-noopt:bucket_mb=0+fused=1"
+    assert set(rows) == {"shardwise", noopt, "ddp", "fsdp2:fused=1"}, out
     # each row names the optimizer kernel it ran: torch's CPU default, or the fused kernel asked for
     assert rows["shardwise"]["optimizer"] == rows["ddp"]["optimizer"] == "AdamW (for-loop)"
     assert rows[noopt]["optimizer"] == rows["fsdp2:fused=1"]["optimizer"] \
@@ -220,8 +222,7 @@ def test_bench_writes_json_and_plot(tmp_path):
     sched = rows["shardwise"]["schedule"]
     assert sched["max_in_flight_mb"] > 0 and sched["max_ops"] == 1 and sched["cap_choice"] is None, sched
     assert "schedule" not in rows[noopt] and "schedule" not in rows["ddp"]
-    # carveout=16: the products predicted beside a collective were carved (inert on CPU); not without it
-    assert rows[carved]["schedule"]["carved_products"] > 0 and sched["carved_products"] == 0
+    assert sched["carved_products"] == 0  # no carveout asked (test_train_with_expert_parallelism asks one)
     # each warm-up step is timed and printed as it ends
     assert all(len(r["warmup_step_s"]) >= 1 and min(r["warmup_step_s"]) > 0 for r in rows.values())
     assert "ddp: warm-up step 1/1" in out

@@ -204,8 +204,7 @@ def test_an_ep_x_tp_checkpoint_resumes_on_ep_x_tp_and_on_ep(pools, tmp_path):
     """Saved by ep=2 x tp=2 under zero3 (the experts' ep pieces, the attention's tp pieces), resumed on
     the same mesh and, by the two batches' ranks alone, on ep=2: the next step as the uninterrupted run's."""
     path = str(tmp_path / "ck")
-    pools(4).run(harness.ep_tp_run, "zero3", 3, save=path)
-    full, sd_full, _, _ = pools(4).run(harness.ep_tp_run, "zero3", 4)[0]
+    full, sd_full, _, _ = pools(4).run(harness.ep_tp_run, "zero3", 4, save=path, save_after=3)[0]
     loss, sd = pools(4).run(harness.ep_resumed, path, 2, 3, "zero3", 2)[0]
     assert abs(loss - full[3]) <= 1e-12 * abs(full[3]) and harness.rel_param_err(sd, sd_full) <= 1e-12
     loss, sd = pools(2).run(harness.ep_resumed, path, 2, 3, "zero2")[0]

@@ -167,8 +167,8 @@ def test_fused_products_train_as_one_device(pools, name, strategy, ws, sp, micro
 def test_inductor_runs_the_fused_ops(pools):
     """Inductor calls the fused ops as library kernels (their list of outputs, their optional addend)."""
     info = _check(pools, "llama", "ddp", 2, 2, sequence_parallel=True, tp_fuse="ring", vocab_parallel=False,
-                  compile="inductor")
-    assert all(r["impl"] == "ring" for r in info["fuse"]) and len(info["fuse"]) == 16  # 4 kinds x 2 layers x 2
+                  compile="inductor", over=(("n_layer", 1),))  # one layer: inductor's compile is the test's time
+    assert all(r["impl"] == "ring" for r in info["fuse"]) and len(info["fuse"]) == 8  # 4 kinds x 1 layer x 2
 
 
 def test_a_calibrated_link_carries_the_kernels_rate(tmp_path):

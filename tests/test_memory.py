@@ -58,7 +58,7 @@ def test_inductor_computes_weight_gradients_where_the_graph_does():
     # the end of the step, keeping each layer's activation and gradient alive until then (a 3B
     # Llama step with per-block checkpointing peaked at 28.7 GB where 15 GB were planned). Read in
     # inductor's generated code: after the first layer's attention backward only that layer's own
-    # weight gradients may remain (its 7 matmuls), not every layer's (32 with the reordering on).
+    # weight gradients may remain (its 7 matmuls), not every layer's (32 of a 4-layer step's with the reordering on).
     import re
 
     import torch
@@ -66,7 +66,7 @@ def test_inductor_computes_weight_gradients_where_the_graph_does():
     import shardwise as sw
 
     torch.manual_seed(0)
-    job = sw.compile(sw.models.build("llama", "small"), optimizer=harness.adamw, strategy="zero3",
+    job = sw.compile(sw.models.build("llama", "small", n_layer=2), optimizer=harness.adamw, strategy="zero3",
                      mesh=sw.mesh(dp=1), compile="inductor")
     x = torch.randint(0, 256, (16, 64))
     job.step((x, x))
@@ -76,7 +76,7 @@ def test_inductor_computes_weight_gradients_where_the_graph_does():
         pytest.skip("this torch's compiled graph does not expose its source code")
     calls = re.findall(r"(extern_kernels\.mm|attention\w*backward)", code)
     last_attn_bwd = max(i for i, c in enumerate(calls) if c.endswith("backward"))
-    assert calls.count("extern_kernels.mm") > 80
+    assert calls.count("extern_kernels.mm") > 40  # 45 in two layers
     assert calls[last_attn_bwd:].count("extern_kernels.mm") <= 7
 
 
@@ -119,7 +119,7 @@ def test_fused_liveness_within_5pct_of_inductors_generated_code(name, over):
     over = dict(over)
     bf16, strategy = over.pop("bf16", True), over.pop("strategy", "zero3")
     torch.manual_seed(0)
-    model = sw.models.build(name, "small", d_model=256, n_layer=4, vocab=4000, seq=256,
+    model = sw.models.build(name, "small", d_model=256, n_layer=2, vocab=4000, seq=256,
                             **({"ffn": 1024} if name == "llama" else {}), **over)
     mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     job = sw.compile(model, optimizer=harness.adamw, strategy=strategy, mesh=sw.mesh(dp=1), compile="inductor",

@@ -228,7 +228,7 @@ def test_inductor_never_reuses_the_memory_of_a_value_being_copied_out():
     import shardwise as sw
     from harness import adamw, make_batch, make_model
 
-    job = sw.compile(make_model("llama", "fp32"), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
+    job = sw.compile(make_model("llama", "fp32", n_layer=1), optimizer=adamw, strategy="zero3", mesh=sw.mesh(dp=1),
                      offload_activations=True, compile="inductor")
     job.step(make_batch("llama", 0, 0))
     _, run = job.compiled(make_batch("llama", 0, 0))
