@@ -172,9 +172,13 @@ def test_predictions_hold_the_published_runs_within_10pct():
     assert len(many) == 15 and len(blind) == 13 and all(abs(e) <= 0.10 for e in blind), many
     # Megatron-Core in FP8 on DGX H100s (NeMo 24.07, Megatron-Bridge 25.11 and 26.02), 8 to 1024 GPUs, 5B to 405B:
     # the 12 blind rows within 10% on the FP8 share fitted on the thirteenth
-    fp8 = [r for r in rows if r["source"] in ("nemo_2407", "megatron_bridge")]
+    fp8 = [r for r in rows if r["source"] in ("nemo_2407", "megatron_bridge") and "Qwen3" not in r["run"]]
     assert len(fp8) == 13 and sum(r["fitted"] for r in fp8) == 1
     assert all(abs(r["error"]) <= 0.10 for r in fp8), fp8
+    # its fine-grained MoE (Qwen3-30B-A3B: 128 experts of 768, 8 a token) blind: predicted 3x fast, the MoE layer's
+    # own kernels uncounted (bench/results/2026-12-06-plan-search-interleaving.md)
+    moe = [r["error"] for r in rows if "Qwen3-30B" in r["run"]]
+    assert len(moe) == 2 and all(-0.75 < e < -0.6 for e in moe), moe
 
 
 def test_wide_heads_and_tensor_parallel_across_torus_axes():
@@ -598,12 +602,13 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (125, 115)
+    assert (len(rows), len(blind)) == (127, 117)
     # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before the FP8 rows
     # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%), 82 of 106 while torchtitan's Float8
     # rows ran Transformer Engine's recipe (7 misses, 7.5-54% fast); as torchao's (fitted on Table 1,
     # bench/results/2026-12-06-plan-torchao.md) only the CP 4 and CP 8 rows at 131k-262k tokens miss
-    # 86 of 105 before the Llama 3 paper's two 405B rows, 88 of 107 before MaxText's 8 rows on two v5p slices (5 within)
+    # 86 of 105 before the Llama 3 paper's two 405B rows, 88 of 107 before MaxText's 8 rows on two v5p slices (5 within);
+    # Megatron-Bridge's two Qwen3-30B-A3B rows miss (3x fast)
     assert sum(abs(r["error"]) <= 0.10 for r in blind) == 93
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
     assert len(titan8) == 8 and sum(r["fitted"] for r in titan8) == 1
