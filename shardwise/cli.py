@@ -108,11 +108,13 @@ def memory_kw(args) -> dict:
 
 
 def _host_share(v: str):
+    if v == "auto":
+        return v
     try:
-        f = v if v == "auto" else float(v)
+        f = float(v)
     except ValueError:
-        f = -1.0
-    if f != "auto" and not 0 <= f <= 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a share in [0, 1], got {v!r}") from None
+    if not 0 <= f <= 1:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a share in [0, 1], got {v!r}")
     return f or False
 

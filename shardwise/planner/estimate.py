@@ -302,13 +302,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         attn_s = matmul * 12.0 * L * model.q_dim * (min(seq, model.window) if model.window else seq) / (fpt + extra + pad)
         cp_exposed = max(DP_EXPOSED * cp_comm, cp_comm - attn_s)
 
-    # pipeline bubble (1F1B, interleaved by `virtual`); each micro-batch enters each of a stage's chunks and its gradient
-    # leaves it: 2·m·v exchanges with the next stage (tp·cp ranks on, or tp·cp·dp where the pipeline is outermost) of
-    # 1/tp of the activations each (sp's shard, or Megatron's scatter/gather), as exposed as the tensor-parallel share (a
-    # stack overlapping one overlaps both), but the fill's and drain's 2·(pp-1)
-    bubble = (st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0
+    # pipeline: the 1F1B bubble (interleaved by `virtual`) and 2·m·v exchanges with the next stage, a micro-batch into
+    # and its gradient out of each chunk: 1/tp of the activations (sp's shard, Megatron's scatter/gather) tp·cp ranks on
+    # (tp·cp·dp with pp outermost), exposed as tensor parallel's share (overlapped alike), the fill's and drain's always
+    tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else DP_EXPOSED)
     p2p_one = cluster.collective_s("all_to_all", 2 * act_bytes / st.tp, 2 if st.pp > 1 else 1,
                                    st.tp * st.cp * (1 if st.rank_order == "tp-pp-dp" else dp))
+    p2p = max(tp_share * 2 * m * st.virtual, 2 * (st.pp - 1)) * p2p_one
+    bubble = ((st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0) + p2p
 
     # data parallel: gradients of this stage's tensor-parallel shard; an expert's over the dp/ep
     # ranks that hold it, the rest over all dp ranks
@@ -355,8 +356,6 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         1.0 if st.zero == 3 and st.pp == 1 else (0.75 if layer_rerun else 2 / 3))
     floor = DP_EXPOSED if st.dp_exposed is None else st.dp_exposed
     dp_exposed = max(floor * (dp_comm - late), dp_comm - late - window) + late
-    tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else DP_EXPOSED)
-    bubble += (p2p := max(tp_share * 2 * m * st.virtual, 2 * (st.pp - 1)) * p2p_one)
     stalls = tp_share * tp_comm + ep_comm + cp_exposed  # the compute lane's own waits, inside its layers
     dp_formula = ""
     g = lambda x: f"{x:.4g}"  # noqa: E731

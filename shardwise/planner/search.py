@@ -2,9 +2,9 @@
 estimate (estimate.py), and what would make a job fit where none does.
 
 The space: tp inside a node (powers of two), pipeline stages (divisors of the layers and powers of two) with 1-20
-interleaved stages that split the layers evenly or do with the embedding and the loss as a layer each (Megatron-Core's
-split of Llama 3 405B's 126 layers over pp 8 x v 8), ZeRO 0-3 and hybrid sharding over a node, ep, micro-batches of 1-8, every recompute policy, sp with
-tp; the base strategy's other fields kept. Layouts that do not fit are dropped, the rest ranked by predicted step."""
+interleaved stages splitting the layers evenly or with the embedding and the loss as a layer each (Megatron-Core: Llama
+3 405B's 126 layers over pp 8 x v 8), ZeRO 0-3, hybrid sharding over a node, ep, micro-batches of 1-8, every recompute
+policy, sp with tp; the base strategy's other fields kept. Layouts that do not fit are dropped, the rest by step."""
 
 from __future__ import annotations
 
