@@ -66,8 +66,7 @@ def pass_context(config: JobConfig, model, dp: int, group: str, backend: str, de
         # parameter before its first reader (passes/ready.py; no-ops where nothing is pending)
         ctx = dataclasses.replace(ctx, param_ready=frozenset(n for n, p in named.items() if p.requires_grad))
     if mem.keep_gathered is not None:
-        unknown = sorted(mem.keep_gathered - set(named))
-        if unknown:
+        if unknown := sorted(mem.keep_gathered - set(named)):
             raise ValueError(f"keep_gathered names parameters the model does not have: {unknown[:5]}")
         ctx = dataclasses.replace(ctx, keep_gathered=mem.keep_gathered)
     return ctx

@@ -676,6 +676,10 @@ def test_deepseek_v3s_config_reads_as_latent_attention_and_dense_first_layers(tm
     mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * (1 + 128 * 256) + 128 * 128 * 7168
     assert m.attention_params() == mla and dataclasses.replace(m, kv_lora=0, rope_dim=0).attention_params() == 4 * 7168 * 16384
     assert m.q_dim == 128 * 160  # attention's FLOPs on the mean of the query-key (192) and value (128) widths
+    p.write_text(json.dumps({k: v for k, v in cfg.items() if k != "intermediate_size"}))  # the dense layers' width
+    with pytest.raises(ValueError, match="missing 'intermediate_size'"):
+        from_hf_config(str(p))
+    p.write_text(json.dumps(cfg))
     # three dense layers: the routed experts of 58 layers; a plan on 256 H100s with ep 8 fits and holds them
     e = estimate(m, cluster("dgx-h100:32"), Strategy(tp=1, pp=8, ep=32, zero=1, micro_batch=1, global_batch=1024,
                                                      seq=4096, recompute="full"))

@@ -231,8 +231,10 @@ def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
                  "ffn_hidden_size", default=4 * hidden if plain and hidden else None)
     shared = c.get("shared_expert_intermediate_size") or (c.get("n_shared_experts") or 0) * (ffn or 0)
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+    dense = (c.get("first_k_dense_replace") or 0) if experts > 1 else 0  # DeepSeek: dense MLPs first, and MLA
     missing = [k for k, v in (("hidden_size", hidden), ("num_hidden_layers", layers), ("num_attention_heads", heads),
-                              ("intermediate_size", ffn), ("vocab_size", vocab)) if v is None]
+                              ("intermediate_size", ffn), ("vocab_size", vocab),  # and the dense first layers' width
+                              ("intermediate_size", c.get("intermediate_size") if dense else 0)) if v is None]
     if missing:
         raise ValueError(f"{path}: not a decoder config shardwise plan understands (missing {missing[0]!r}); it needs "
                          "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size (or "
@@ -240,7 +242,6 @@ def from_hf_config(path: str, name: str | None = None) -> ModelSpec:
     seq = _first(c, "max_position_embeddings", "n_positions", "seq_length", default=4096 if not plain else 2048)
     bias = bool(_first(c, "attention_bias", "enable_bias", "bias", default=plain and kind != "falcon"))
     dropout = any((_first(c, k, default=0) or 0) > 0 for k in ("resid_pdrop", "dropout", "hidden_dropout"))
-    dense = (c.get("first_k_dense_replace") or 0) if experts > 1 else 0  # DeepSeek: dense MLPs first, and MLA
     mla = dict(q_lora=c.get("q_lora_rank") or 0, kv_lora=c.get("kv_lora_rank") or 0, dense_layers=dense,
                rope_dim=c.get("qk_rope_head_dim") or 0, dense_ffn=dense and c["intermediate_size"])
     return ModelSpec(name or c.get("_name_or_path") or kind or "hf-model", layers, hidden, heads,
