@@ -146,10 +146,9 @@ class MemoryPlan:
         first step runs with all of it on the host and its measured peak (max over ranks) decides: a step
         out of memory would be lost, a measured one cannot be wrong. On CPU the prediction decides."""
         st = self.state.streamer
-        budget = self.residency_budget()
         if st is None:
             return
-        if budget is None or self.offload_all:
+        if self.residency_budget() is None or self.offload_all:
             self.plan_host()
             return
         self.updater.drain()
@@ -225,7 +224,6 @@ class MemoryPlan:
             return loss
         self.updater.drain()
         # reserved, not allocated: what the allocator's rounding and fragmentation cost counts too
-        (peak,) = self.agree.max(torch.cuda.max_memory_reserved(self.device))
-        self.residency_peak = peak
-        self.fit_residency(peak, measured=True)
+        (self.residency_peak,) = self.agree.max(torch.cuda.max_memory_reserved(self.device))
+        self.fit_residency(self.residency_peak, measured=True)
         return loss

@@ -8,6 +8,7 @@ it is raised, so none waits in a collective for it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -322,10 +323,8 @@ class Compiler:
         try:
             return fn()
         except Exception as e:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self.agree.same(f"compile error on this rank: {type(e).__name__}: {e}", "graph")
-            except RuntimeError:
-                pass
             raise
 
     def _compile(self, key, batch, tensors, mode: str) -> None:

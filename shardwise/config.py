@@ -240,8 +240,7 @@ class JobConfig:
         if isinstance(self.tp_plan, dict):
             from .sharding import Replicate, Shard
 
-            bad = {k: v for k, v in self.tp_plan.items() if not isinstance(v, (Shard, Replicate))}
-            if bad:
+            if bad := {k: v for k, v in self.tp_plan.items() if not isinstance(v, (Shard, Replicate))}:
                 raise ValueError(f"tp_plan: each placement must be sw.Shard(dim) or sw.Replicate(), got {bad}")
         if self.tp_fuse not in ("auto", "off", "ring", "kernel"):
             raise ValueError(f"tp_fuse must be 'auto', 'off', 'ring' or 'kernel', got {self.tp_fuse!r}")

@@ -23,12 +23,11 @@ def explain(job) -> str:
              f"compute: roofline on {dev.name} ({dev.flops / 1e12:.1f} TFLOP/s, {dev.bandwidth / 1e9:.0f} GB/s)",
              f"optimizer: {optimizer_kind(job.optimizer)}"]
     for (sig, mode), (prog, _) in job.compiler.programs.items():
-        c = prog.counts()
         measured = job.node_times.get((sig, mode))
         tl, src = job.cost.simulate(prog.gm, measured), "roofline" if measured is None else "measured"
         lines.append(
             f"program [{mode}] {prog.strategy}: {len(prog.gm.graph.nodes)} nodes; "
-            + " ".join(f"{k}={v}" for k, v in c.items()) + f"; {prog.comm_bytes() / 2**20:.2f} MiB "
+            + " ".join(f"{k}={v}" for k, v in prog.counts().items()) + f"; {prog.comm_bytes() / 2**20:.2f} MiB "
             f"sent per rank; predicted graph {tl.step_s * 1e3:.2f} ms = compute ({src}) {tl.compute_s * 1e3:.2f} ms + "
             f"exposed comm {tl.exposed_comm_s * 1e3:.2f} ms ({tl.exposed_pct:.0f}%), comm busy {tl.comm_s * 1e3:.2f} ms"
         )
@@ -84,8 +83,7 @@ def explain(job) -> str:
                 lines.append("    live then (MiB): " + ", ".join(f"{n} {b / 2**20:.2f}" for n, b in top)
                              + (f", {len(live.at_peak) - len(top)} more {rest / 2**20:.2f}"
                                 if len(live.at_peak) > len(top) else ""))
-            st = job.state.streamer
-            if st is not None:
+            if (st := job.state.streamer) is not None:
                 hl = job.cost.host
                 up, down = st.transfer_bytes()
                 lines.append(f"  optimizer offload: {st.host_bytes() / 2**20:.2f} MiB on the host; per step "
@@ -108,16 +106,13 @@ def explain(job) -> str:
     axes = [a.label for a in tp.axes] if tp is not None else []
     lines.append("placements (dp axis" + (f", {' and '.join(axes)} axis: local shape and placement" if tp else "")
                  + ") and memory decisions:")
-    kept = set(job.ctx.keep_gathered)
-    for prog in job.programs():
-        kept |= set(prog.unsharded or ())
+    kept = set(job.ctx.keep_gathered).union(*(prog.unsharded or () for prog in job.programs()))
     for n, lay in job.layouts.items():
         place = "R" if job.strategy == "ddp" else str(lay)
         what = []
         if job.strategy == "zero3":
             what.append("kept gathered fwd->bwd" if n in kept else "resharded after forward")
-        if job.state.streamer is not None:
-            st = job.state.streamer
+        if (st := job.state.streamer) is not None:
             what.append("master+optimizer state on the device" if n in st.resident
                         else "master+optimizer state on host, updated on the host" if n in st.host
                         else "master+optimizer state on host, streamed")

@@ -98,7 +98,6 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     # the communication settings this row ran under (a record's rows may come from several commands)
     if env := {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))}:
         row["env"] = env
-    pred = None
     if system.startswith("shardwise"):
         mp = sw.MixedPrecision(param_dtype=torch.bfloat16) if cfg.precision == "bf16" else None
         executor = cfg.executor if cfg.executor != "auto" else ("inductor" if device.type == "cuda" else "fx")
@@ -171,8 +170,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
             row["pred_source"] = "roofline (profiling ran out of memory)"
             gc.collect()
             torch.cuda.empty_cache()
-        pred = job.predict_step(batches[0])
-        row["pred_step_s"] = pred["step_s"]
+        row["pred_step_s"] = job.predict_step(batches[0])["step_s"]
         # what the cost model chose for the step's program: in-flight cap (and the caps it weighed), buckets
         prog = job.compiled(batches[0]).program
         if prog.schedule:

@@ -220,8 +220,6 @@ class LinkProfile:
 
     def time(self, kind: str, nbytes: int, n: int) -> float:
         """Predicted seconds for one ``kind`` over ``n`` ranks on a full tensor of ``nbytes``."""
-        if n <= 1:
-            return 0.0
         return Topology(self.name, ((n, self.level()),)).time(kind, nbytes, n)
 
     @staticmethod

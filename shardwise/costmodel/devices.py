@@ -8,6 +8,8 @@ kernels at ``mem_eff`` of ``hbm_bw``. MFU is quoted against ``peak_flops``, as t
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -25,31 +27,15 @@ H100 with today's software runs the same products as the H200 (median 1.03x, ben
 .json), but the H100 rows we validate on ran 2023-24 software (torchtitan, MosaicML, MaxText), which those rates predict
 5-15% fast: the H100 takes the table once rows of today's software on H100s are in the validation."""
 
-HOPPER_PRODUCTS = {  # model width: {tp: TFLOP/s at 2048, 4096, 8192 and 16384 tokens per micro-batch}
-    2048: {1: (757, 772, 754, 691), 2: (592, 652, 717, 695), 4: (529, 603, 683, 739), 8: (408, 550, 643, 711)},
-    4096: {1: (744, 696, 684, 662), 2: (621, 661, 677, 681), 4: (598, 673, 706, 659), 8: (516, 631, 691, 656)},
-    5120: {1: (662, 651, 674, 673), 2: (636, 669, 665, 673), 4: (597, 696, 664, 653), 8: (541, 689, 724, 680)},
-    8192: {1: (671, 676, 668, 670), 2: (659, 674, 666, 668), 4: (640, 683, 664, 670), 8: (622, 679, 662, 662)},
-    12288: {1: (668, 673, 677, 677), 2: (666, 673, 675, 678), 4: (669, 672, 673, 674), 8: (654, 680, 668, 673)},
-    16384: {1: (668, 664, 668, 673), 2: (668, 663, 668, 670), 4: (664, 669, 669, 673), 8: (653, 661, 670, 670)}}
-"""One H200's bf16 ``torch.mm`` rate over a Llama-style layer's twelve products (forward, input and weight gradients of
-QKV, output, gate+up, down) on one tensor-parallel rank, TFLOP/s (bench/results/2026-12-02-h200-gemm-shapes.md)."""
-HOPPER_FP8_PRODUCTS = {  # HOPPER_PRODUCTS' layout
-    2048: {1: (1156, 1323, 1310, 1317), 2: (815, 1125, 1241, 1265),
-           4: (653, 915, 1120, 1236), 8: (397, 710, 1006, 1131)},
-    4096: {1: (1230, 1322, 1240, 1325), 2: (1190, 1298, 1267, 1239),
-           4: (947, 1254, 1234, 1261), 8: (695, 1097, 1228, 1248)},
-    5120: {1: (1271, 1325, 1219, 1252), 2: (1217, 1311, 1351, 1242),
-           4: (1110, 1201, 1283, 1288), 8: (972, 1217, 1215, 1213)},
-    8192: {1: (1212, 1282, 1254, 1256), 2: (1284, 1290, 1269, 1276),
-           4: (1246, 1259, 1291, 1272), 8: (1159, 1275, 1300, 1259)},
-    12288: {1: (1241, 1262, 1249, 1229), 2: (1247, 1281, 1279, 1263),
-            4: (1280, 1260, 1284, 1274), 8: (1265, 1269, 1263, 1276)},
-    16384: {1: (1212, 1224, 1234, 1209), 2: (1254, 1259, 1259, 1245),
-            4: (1267, 1277, 1254, 1254), 8: (1267, 1271, 1271, 1254)}}
-"""The same twelve products in FP8 as Transformer Engine's recipes run them on a Hopper (E4M3 forward, E5M2 output
-gradients, one scale per tensor, bf16 out; ``torch._scaled_mm``, cuBLASLt), TFLOP/s, on one H100 (1.15-1.99x its bf16
-rates of the same run, 1.8x at the large shapes: bench/results/2026-12-06-plan-fp8.md)."""
+with open(os.path.join(os.path.dirname(__file__), "hopper_rates.json")) as f:
+    HOPPER_PRODUCTS, HOPPER_FP8_PRODUCTS = ({int(w): {int(t): tuple(r) for t, r in by_tp.items()} for w, by_tp in
+                                            table.items()} for table in json.load(f).values())
+"""Measured product rates (hopper_rates.json), TFLOP/s by model width, then tp, at 2048, 4096, 8192 and 16384 tokens per
+micro-batch. ``HOPPER_PRODUCTS``: one H200's bf16 ``torch.mm`` rate over a Llama-style layer's twelve products (forward,
+input and weight gradients of QKV, output, gate+up, down) on one tensor-parallel rank (bench/results/2026-12-02-h200-
+gemm-shapes.md). ``HOPPER_FP8_PRODUCTS``: the same twelve in FP8 as Transformer Engine's recipes run them on a Hopper
+(E4M3 forward, E5M2 output gradients, one scale per tensor, bf16 out; ``torch._scaled_mm``, cuBLASLt) on one H100:
+1.15-1.99x its bf16 rates of the same run, 1.8x at the large shapes (bench/results/2026-12-06-plan-fp8.md)."""
 FP8_EFF_MAX = {"te": 0.728, "torchao": 0.676}
 """The share of ``HOPPER_FP8_PRODUCTS`` a whole FP8 step holds, by recipe, each fitted on one run only. ``te``
 (Transformer Engine): NeMo's Llama 3 70B on 64 H100s (Megatron-Bridge, container 26.02, tp=4 pp=8 virtual 5, batch

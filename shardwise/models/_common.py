@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What every built-in decoder's config has."""
+
+    vocab: int = 256
+    """Vocabulary size."""
+    seq: int = 64
+    """Maximum sequence length (the size of the position or rotary tables)."""
+    d_model: int = 128
+    """Hidden size."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention (query) heads; must divide d_model."""
+    checkpoint: bool = False
+    """Wrap each block in non-reentrant torch.utils.checkpoint."""
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,29 +9,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._common import next_token_loss
+from ._common import DecoderConfig, next_token_loss
 
 
 @dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 256
-    """Vocabulary size."""
-    seq: int = 64
-    """Maximum sequence length (size of the position table)."""
-    d_model: int = 128
-    """Hidden size."""
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Attention heads; must divide d_model."""
+class GPTConfig(DecoderConfig):
     dropout: float = 0.0
     """Dropout on attention output, MLP output and embeddings (training only)."""
     bias: bool = True
     """Biases in linear layers and LayerNorms (GPT-2 has them)."""
     tie: bool = True
     """Share the token embedding with the output head, as GPT-2 does."""
-    checkpoint: bool = False
-    """Wrap each block in non-reentrant torch.utils.checkpoint."""
 
     def __post_init__(self):
         if self.d_model % self.n_head:

@@ -7,27 +7,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ._common import Attention, RMSNorm, SwiGLU, init_weights, next_token_loss, rope_tables
+from ._common import Attention, DecoderConfig, RMSNorm, SwiGLU, init_weights, next_token_loss, rope_tables
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    vocab: int = 256
-    """Vocabulary size."""
-    seq: int = 64
-    """Maximum sequence length (size of the rotary tables)."""
-    d_model: int = 128
-    """Hidden size."""
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Query heads; must divide d_model."""
+class LlamaConfig(DecoderConfig):
     n_kv_head: int = 2
     """Key/value heads (grouped-query attention); must divide n_head."""
     ffn: int = 256
     """SwiGLU hidden size."""
-    checkpoint: bool = False
-    """Wrap each block in non-reentrant torch.utils.checkpoint."""
 
 
 class LlamaBlock(nn.Module):

@@ -319,8 +319,7 @@ def issue_early(g: fx.Graph) -> int:
         if last.next is n:
             return False
         last.append(n)
-        for i, m in enumerate(g.nodes):  # positions after the move
-            order[m] = i
+        order.update((m, i) for i, m in enumerate(g.nodes))  # positions after the move
         return True
 
     for n in list(g.nodes):

@@ -150,10 +150,8 @@ def _rewrite(g: fx.Graph, moved: fx.Node, x: fx.Node, f: Fused, first: fx.Node, 
             (mm,) = mms
             a, w = mm.args
             add = _product_of(x)[1]
-            if f.kind == "reduce_scatter":
-                args = (a, w, add, list(x.meta["val"].shape), dim, group, f.impl)
-            else:
-                args = (a, w, add, f.chunks, group)
+            args = ((a, w, add, list(x.meta["val"].shape), dim, group, f.impl) if f.kind == "reduce_scatter"
+                    else (a, w, add, f.chunks, group))
             fused = emit.node(g, FUSED[f.kind], args, mm.meta["val"] if f.kind == "all_reduce" else moved.meta["val"])
             out = fused if f.kind == "reduce_scatter" else emit.reshape(g, fused, moved.meta["val"].shape)
             moved.replace_all_uses_with(out)

@@ -185,8 +185,7 @@ def average_loss(gm: fx.GraphModule, ctx: ShardContext) -> None:
 
 
 def set_outputs(gm: fx.GraphModule, loss: fx.Node, grads: list[fx.Node]) -> None:
-    out = gm.graph.find_nodes(op="output")[0]
-    out.args = ([loss, *grads],)
+    gm.graph.find_nodes(op="output")[0].args = ([loss, *grads],)
 
 
 def input_dtypes(cap: Capture, gm: fx.GraphModule) -> dict[str, torch.dtype]:

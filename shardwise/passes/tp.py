@@ -164,12 +164,11 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
         return index_inputs[(d_size, groups)]
 
     # a gradient output's parameter, to name in the collective that places it
-    out_args = g.find_nodes(op="output")[0].args[0]
-    grad_of = {a: params[ph] for a, ph in zip(out_args[1:], grads) if isinstance(a, fx.Node)}
+    out_node = g.find_nodes(op="output")[0]
+    grad_of = {a: params[ph] for a, ph in zip(out_node.args[0][1:], grads) if isinstance(a, fx.Node)}
     # the collectives, one per value and placement it is moved to, right after the value is made;
     # the partial gradients of whole parameters (under sequence parallelism: the norms', the
     # embedding's) are summed in one all-reduce of them all, after the last is made
-    out_node = g.find_nodes(op="output")[0]
     grad_sums = []
     gathered: dict[fx.Node, fx.Node] = {}  # a value -> its whole copy
     for r in prop.collectives():

@@ -100,7 +100,6 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
                 else:
                     hi = k - 1
             fits = lo
-    prog = best
-    prog.unsharded = sorted(keep[:fits])
-    prog.predicted_graph_peak = best_peak
-    return dataclasses.replace(base_ctx, keep_gathered=frozenset(keep[:fits])), prog
+    best.unsharded = sorted(keep[:fits])
+    best.predicted_graph_peak = best_peak
+    return dataclasses.replace(base_ctx, keep_gathered=frozenset(keep[:fits])), best

@@ -46,8 +46,7 @@ def _reduce_scatter_grads(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, l
 def apply_zero12(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, strategy: str) -> Program:
     layouts = layouts_for(cap.param_names, cap.param_shapes, ctx.dp)
     _, _, loss, _ = parts(gm)
-    shards = _reduce_scatter_grads(cap, gm, ctx, layouts)
-    set_outputs(gm, loss, shards)
+    set_outputs(gm, loss, _reduce_scatter_grads(cap, gm, ctx, layouts))
     average_loss(gm, ctx)
     return Program(finish(gm), strategy, cap, layouts, "full", "shard", input_dtypes=input_dtypes(cap, gm))
 
@@ -140,8 +139,7 @@ def apply_zero3(cap: Capture, gm: fx.GraphModule, ctx: ShardContext) -> Program:
         for u in users:
             u.replace_input_with(ph, full)
 
-    shards = _reduce_scatter_grads(cap, gm, ctx, layouts)
-    set_outputs(gm, loss, shards)
+    set_outputs(gm, loss, _reduce_scatter_grads(cap, gm, ctx, layouts))
     average_loss(gm, ctx)
     return Program(finish(gm), "zero3", cap, layouts, "shard", "shard",
                    input_dtypes={params[ph]: store[ph] for ph in params})

@@ -474,8 +474,7 @@ class HostStager:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             staged = self._stage(state_dict)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            done = self.stream.record_event()
         if self.pool is None:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardwise-stage")
         return self.pool.submit(lambda: (done.synchronize(), staged)[1])

@@ -55,9 +55,7 @@ class Executor:
     """Runs one rank's programs on its state (runtime/state.py) and buffers."""
 
     def __init__(self, state, buffers: dict[str, torch.Tensor], device: torch.device, rank_input=None):
-        self.state = state
-        self.buffers = buffers
-        self.device = device
+        self.state, self.buffers, self.device = state, buffers, device
         self.rank_input = rank_input
         """``rank_input(name, device)``: the value of a program input that differs by rank."""
         self.comm_bytes = 0

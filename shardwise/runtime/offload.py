@@ -376,10 +376,7 @@ class StreamedOptimizer:
 
     def _event(self):
         """An event recorded on the current stream (CUDA), else None."""
-        ev = torch.cuda.Event() if self.cuda else None
-        if ev is not None:
-            ev.record()
-        return ev
+        return torch.cuda.current_stream().record_event() if self.cuda else None
 
     def _state_tensors(self, p) -> dict[str, torch.Tensor]:
         """The per-element state of ``p`` (tensors shaped like it; scalars such as ``step`` stay put)."""

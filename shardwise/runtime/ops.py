@@ -67,8 +67,7 @@ def to_host(x: torch.Tensor) -> torch.Tensor:
     side.wait_stream(cur)  # x is complete
     with torch.cuda.stream(side):
         h.copy_(x, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done = side.record_event()
     _out_done[h.data_ptr()] = done
     x.record_stream(side)
     return h
@@ -94,8 +93,7 @@ def to_device(h: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         side.wait_event(out)  # h has arrived
     with torch.cuda.stream(side):
         y.copy_(h, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        done = side.record_event()
     # the compute stream waits where the value is first read: the graph's wait_tensor there
     _register_work(y, ReadyWork(done))
     return y

@@ -134,18 +134,15 @@ class ShardedState:
         Whole gradients (ddp) are the same on every rank: the norm is local. Shards need one all-reduce of this rank's
         sum of squares (padding rows are zero and add nothing). The scale is ``torch.nn.utils.clip_grad_norm_``'s:
         ``min(1, max_norm / (norm + 1e-6))``."""
-        gs = list(grads.values())
-        tp = self.tp
+        gs, tp, sent = list(grads.values()), self.tp, 0
         if tp is None and (self.strategy == "ddp" or ranks == 1):
             total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
-            sent = 0
         else:
             # a model-parallel shard's squares add over its axis' ranks; a gradient whole (and the same)
             # on every rank of an axis counts once (a 1/ranks share from each)
             axes = tp.axes if tp is not None else []
             sq = torch.stack([torch.linalg.vector_norm(g) ** 2 / math.prod(a.ranks for a in axes if not a.sharded(n))
                               for n, g in grads.items()]).sum().reshape(1)
-            sent = 0
             for grp, n in ((group, ranks if self.strategy != "ddp" else 1), *((a.group, a.ranks) for a in axes)):
                 if n > 1:
                     sq = _all_reduce(sq, grp)

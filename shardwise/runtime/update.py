@@ -137,8 +137,7 @@ class Updater:
                     for n in chunk:
                         self.state.opt_tensors[n].grad = None
                 if upd is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(upd)
+                    ev = upd.record_event()
             if upd is not None:
                 for n in chunk:
                     if n in self.ready_names:  # a work nothing waits for would stay registered

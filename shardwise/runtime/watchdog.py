@@ -57,11 +57,10 @@ class Watchdog:
             self.seq += 1
             self.status = {"job": job, "seq": self.seq, "what": what, "n": n, "state": "in", "error": None}
             self.since, self.limit, self.compiling = time.monotonic(), limit, False
-        try:  # posted now (one small store write, tens of microseconds), so that a rank that stops
-            # in this phase is reported in it
+        # posted now (one small store write, tens of microseconds), so that a rank that stops in this phase is
+        # reported in it; where the store's host is gone, the phase's limit will tell
+        with contextlib.suppress(Exception):
             self._post()
-        except Exception:  # noqa: BLE001 - the store's host is gone: the phase's limit will tell
-            pass
 
     def end(self) -> None:
         with self.lock:
@@ -74,11 +73,9 @@ class Watchdog:
         with self.lock:
             self.status = {**self.status, "state": "failed", "error": f"{type(error).__name__}: {error}"[:300]}
             self.limit = None
-        try:
+        with contextlib.suppress(Exception):  # the store itself may be what failed
             self._post()
             self.store.set(f"failed/{self.status['seq']}", str(self.rank))
-        except Exception:  # noqa: BLE001 - the store itself may be what failed
-            pass
 
     def compile_started(self) -> None:
         with self.lock:
@@ -93,10 +90,8 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._wake.wait(self.beat):
-            try:
+            with contextlib.suppress(Exception):  # where the store's host is gone, only the phase's limit can tell
                 self._post()
-            except Exception:  # noqa: BLE001 - the store's host is gone: only the phase's limit can tell
-                pass
             with self.lock:
                 st, limit, since, compiling = dict(self.status), self.limit, self.since, self.compiling
             if st["state"] != "in" or time.monotonic() - since < 2 * self.beat:

@@ -191,8 +191,7 @@ def extern(n: fx.Node) -> bool:
     """Inductor runs ``n`` as a library kernel or a fallback (a custom op, a collective)."""
     if n.op != "call_function":
         return False
-    custom = getattr(n.target, "namespace", "aten") not in ("aten", "prims")
-    return custom or info(n.target).extern
+    return getattr(n.target, "namespace", "aten") not in ("aten", "prims") or info(n.target).extern
 
 
 def flops(node: fx.Node) -> float:

@@ -160,19 +160,18 @@ def _propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None
             rule = info(n.target).rule
             if rule is None and all(place(a) == R for a in n.all_input_nodes):
                 rule = replicated  # any op runs as it is on whole values
-            if rule is None:
-                if not is_pointwise(n):
-                    got = {a.name: str(place(a)) for a in n.all_input_nodes}
-                    if not allow_replicate:
-                        raise ShardingError(f"no sharding rule for {n.target} (node {n.name}, inputs placed {got}); "
-                                            "add one in shardwise/sharding/rules/, replicate what feeds it in the tp "
-                                            "plan, or pass allow_replicate=True to run it on whole inputs")
-                    warnings.warn(f"shardwise: no sharding rule for {n.target} (node {n.name}, inputs placed {got}): "
-                                  "it runs on whole inputs (allow_replicate=True); explain shows the gathers",
-                                  stacklevel=2)
-                    rule = whole
-                else:
-                    rule = pointwise_rule
+            if rule is None and is_pointwise(n):
+                rule = pointwise_rule
+            elif rule is None:
+                got = {a.name: str(place(a)) for a in n.all_input_nodes}
+                if not allow_replicate:
+                    raise ShardingError(f"no sharding rule for {n.target} (node {n.name}, inputs placed {got}); "
+                                        "add one in shardwise/sharding/rules/, replicate what feeds it in the tp "
+                                        "plan, or pass allow_replicate=True to run it on whole inputs")
+                warnings.warn(f"shardwise: no sharding rule for {n.target} (node {n.name}, inputs placed {got}): "
+                              "it runs on whole inputs (allow_replicate=True); explain shows the gathers",
+                              stacklevel=2)
+                rule = whole
             need, out = rule(n, place, ranks)
             need, out = scattered(n, rule, need) or (need, out)
             for a, dst in need.items():
