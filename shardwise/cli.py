@@ -386,6 +386,11 @@ def _plan_parser(sub) -> None:
                    "or torchao (its Float8 training; the rest at the device's bf16 share)")
     p.add_argument("--framework", choices=["fsdp2"], default=None,
                    help="count the data-parallel runtime's own kernels: FSDP2's copy-in and copy-out, by bytes")
+    p.add_argument("--dispatch", choices=["alltoall", "deepep"], default="alltoall", help="MoE tokens to their experts: "
+                   "an all-to-all of every routed copy, or DeepEP's (once to each rank, across nodes once to each node)")
+    p.add_argument("--routing", choices=["balanced", "contiguous"], default="balanced", help="experts a token picks: "
+                   "at random, each as often; or token t to experts t·k..t·k+k-1")
+    p.add_argument("--flushes", type=int, default=1, help="pipeline schedules a step, each filled and drained")
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
     p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
                    help="share of tp communication exposed (0: overlapped; default: all on GPUs, the dp share on TPUs)")

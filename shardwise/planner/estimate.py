@@ -38,6 +38,7 @@ the backward's end (copies and gradients) and the optimizer step (gradients and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..costmodel.devices import FP8_CAST_BYTES, FP8_EFF_MAX
@@ -52,6 +53,7 @@ RANK_ORDERS = ("tp-pp-dp", "tp-ep-dp-pp")
 STACKS = ("megatron", "torch", "torch-autocast")
 FRAMEWORKS = (None, "fsdp2")
 FP8_RECIPES = (None, "te", "torchao")
+DISPATCHES, ROUTINGS = ("alltoall", "deepep"), ("balanced", "contiguous")
 DP_EXPOSED = 0.1
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 
@@ -133,10 +135,18 @@ class Strategy:
     """Whose data-parallel runtime, where it costs time of its own (``FRAMEWORKS``): ``fsdp2`` copies
     each gathered weight out of the all-gather's buffer and each gradient into the reduce-scatter's
     (its copy-in/copy-out kernels, by bytes). None: none counted (Megatron, MaxText, shardwise)."""
+    dispatch: str = "alltoall"
+    """MoE tokens to their experts: ``alltoall`` (each routed copy sent: Megatron's dispatcher, shardwise's) or ``deepep``
+    (DeepEP: once to each rank holding one of its experts; across nodes once to each node, then on over NVLink)."""
+    flushes: int = 1
+    """Pipeline schedules a step, each filled and drained (NeMo AutoModel's accumulation); 1: one (Megatron's)."""
+    routing: str = "balanced"
+    """Experts a token picks: ``balanced`` (k at random, each as often) or ``contiguous`` (token t to experts t·k ..
+    t·k+k-1: NeMo AutoModel's fake balanced gate)."""
 
     def __post_init__(self):
         for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS),
-                         ("recompute", RECOMPUTE), ("fp8", FP8_RECIPES)):
+                         ("recompute", RECOMPUTE), ("fp8", FP8_RECIPES), ("dispatch", DISPATCHES), ("routing", ROUTINGS)):
             if getattr(self, k) not in kinds:
                 raise ValueError(f"{k} must be one of {', '.join(map(str, kinds))}, got {getattr(self, k)!r}")
         if not self.capacity >= 1.0:
@@ -209,6 +219,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if gb % (dp * st.micro_batch):
         raise ValueError(f"global batch {gb} is not a multiple of dp x micro-batch = {dp * st.micro_batch}")
     m = gb // (dp * st.micro_batch)  # micro-batches per step on each pipeline
+    if m % st.flushes:
+        raise ValueError(f"flushes={st.flushes} does not divide the {m} micro-batches of a step")
     tokens = gb * seq
     acc = cluster.accel
     if st.fp8:
@@ -286,10 +298,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # forward and in the backward (and the forward's again under full or block recomputation)
     ep_comm = 0.0
     if st.ep > 1:
-        a2a_bytes = 2.0 * b * lseq * h * model.top_k / (st.tp if st.sp else 1)
         a2a_per_layer = 6 if layer_rerun else 4
         ep_apart = (st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp) * st.cp
-        ep_comm = (a2a_per_layer * layers_here * m * cluster.collective_s("all_to_all", a2a_bytes, st.ep, ep_apart))
+        ep_comm = a2a_per_layer * layers_here * m * _dispatch_s(model, cluster, st, 2.0 * b * lseq * h / (
+            st.tp if st.sp else 1), ep_apart)
 
     # context parallel: per layer and micro-batch the sequence's keys and values gathered (fwd, bwd,
     # a rerun) and their gradients reduce-scattered, under the attention's products
@@ -308,8 +320,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     tp_share = st.tp_exposed if st.tp_exposed is not None else (1.0 if cluster.rings else DP_EXPOSED)
     p2p_one = cluster.collective_s("all_to_all", 2 * act_bytes / st.tp, 2 if st.pp > 1 else 1,
                                    st.tp * st.cp * (1 if st.rank_order == "tp-pp-dp" else dp))
-    p2p = max(tp_share * 2 * m * st.virtual, 2 * (st.pp - 1)) * p2p_one
-    bubble = ((st.pp - 1) / (m * st.virtual) * compute if st.pp > 1 else 0.0) + p2p
+    p2p = max(tp_share * 2 * m * st.virtual, 2 * (st.pp - 1) * st.flushes) * p2p_one
+    bubble = ((st.pp - 1) * st.flushes / (m * st.virtual) * compute if st.pp > 1 else 0.0) + p2p
 
     # data parallel: gradients of this stage's tensor-parallel shard; an expert's over the dp/ep
     # ranks that hold it, the rest over all dp ranks
@@ -437,8 +449,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         + f"; compute = {g(compute)} s",
         f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
-        f"bubble = (pp-1)/(m·v)·compute + the exposed exchanges with the next stage, max({tp_share:.0%}·2·m·v, "
-        f"2·(pp-1)) x {g(p2p_one)} s = ({st.pp}-1)/({m}·{st.virtual})·{g(compute)} + {g(p2p)} = {g(bubble)} s",
+        f"bubble = (pp-1)·flushes/(m·v)·compute + the exposed exchanges with the next stage, max({tp_share:.0%}·2·m·v, "
+        f"2·(pp-1)·flushes) x {g(p2p_one)} s = ({st.pp}-1)·{st.flushes}/({m}·{st.virtual})·{g(compute)} + {g(p2p)} = "
+        f"{g(bubble)} s",
         dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
         + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")
@@ -464,12 +477,28 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                            f"what outlasts the attention's products = {g(cp_exposed)} s")
     if st.ep > 1:
         formulas.insert(4, f"expert parallel = {a2a_per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
-                           f"{st.ep} ranks = {g(ep_comm)} s")
+                           f"{st.ep} ranks ({st.dispatch}" + (f", {st.routing} routing" if st.dispatch == "deepep" else "")
+                           + f") = {g(ep_comm)} s")
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
                     tp_exposed_s=tp_share * tp_comm, ep_comm_s=ep_comm, pp_bubble_s=bubble, dp_comm_s=dp_comm,
                     dp_exposed_s=dp_exposed, optimizer_s=optimizer, tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
                     fits=total <= acc.hbm_bytes, formulas=formulas, cp_comm_s=cp_comm, cp_exposed_s=cp_exposed)
+
+
+def _dispatch_s(model: ModelSpec, cluster: ClusterSpec, st: Strategy, tokens: float, apart: int) -> float:
+    """One all-to-all of an MoE layer's dispatch or combine, ``tokens`` the bytes of one copy of the micro-batch's."""
+    E, k, g = model.experts, model.top_k, min(st.ep, max(1, cluster.per_node // apart))  # g: ep ranks in a node
+
+    def reached(n):  # the groups of n neighbouring ep ranks one token's experts fall in, on average
+        per = E * n // st.ep
+        if st.routing == "contiguous":
+            return sum(len({e % E // per for e in range(t * k, t * k + k)}) for t in range(E)) / E
+        return st.ep / n * (1 - math.comb(E - per, k) / math.comb(E, k))
+    if st.dispatch == "alltoall":
+        return cluster.collective_s("all_to_all", tokens * k, st.ep, apart)
+    return max(cluster.collective_s("all_to_all", tokens * reached(1), g, apart),  # NVLink: once to each rank
+               cluster.collective_s("all_to_all", tokens * reached(g), st.ep // g, apart * g))  # RDMA: to each node
 
 
 def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: float, stall_s: float, flops: float,

@@ -92,9 +92,6 @@ class ModelSpec:
         final_norm = self.hidden * (2 if self.bias else 1)
         return self.embedding_params() + self.head_params() + self.layers_params(active) + final_norm
 
-    def active_params(self) -> int:
-        return self.params(active=True)
-
     def flops_per_token(self, seq: int | None = None) -> float:
         """Training FLOPs per token: 6 per active weight a token multiplies (the embedding lookup is no multiply; a tied
         head still is one) plus 12·L·d·T for attention (PaLM's formula; d the query width, heads x head size; T the keys
