@@ -189,8 +189,9 @@ def mesh_args(p) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks: the experts of every MoE layer split over them, tokens sent to their "
                         "experts by all-to-all (the ep ranks take batches of their own, as dp ranks do)")
-    p.add_argument("--ep-split", type=int, default=1, metavar="N",
-                   help="with --ep: each micro-batch as N interleaved parts (one's all-to-alls under another's compute)")
+    p.add_argument("--ep-split", type=lambda v: v if v == "auto" else int(v), default=1, metavar="N|auto",
+                   help="with --ep: each micro-batch as N interleaved parts (one's all-to-alls under another's "
+                   "compute); auto: whole or in halves, the cost model's faster")
     p.add_argument("--sp", action="store_true",
                    help="with --tp: sequence parallelism (the residual stream and norms in sequence shards)")
     p.add_argument("--vocab-parallel", choices=["auto", "on", "off"], default="auto", help="with --tp: cut the untied "
@@ -386,8 +387,8 @@ def _plan_parser(sub) -> None:
                    "or torchao (its Float8 training; the rest at the device's bf16 share)")
     p.add_argument("--framework", choices=["fsdp2"], default=None,
                    help="count the data-parallel runtime's own kernels: FSDP2's copy-in and copy-out, by bytes")
-    p.add_argument("--dispatch", choices=["alltoall", "deepep"], default="alltoall", help="MoE tokens to their experts: "
-                   "an all-to-all of every routed copy, or DeepEP's (once to each rank, across nodes once to each node)")
+    p.add_argument("--dispatch", choices=["alltoall", "deepep"], default="alltoall", help="MoE tokens to their "
+                   "experts: an all-to-all of every routed copy, or DeepEP's (once to each rank and node reached)")
     p.add_argument("--routing", choices=["balanced", "contiguous"], default="balanced", help="experts a token picks: "
                    "at random, each as often; or token t to experts t·k..t·k+k-1")
     p.add_argument("--flushes", type=int, default=1, help="pipeline schedules a step, each filled and drained")

@@ -112,7 +112,9 @@ class ExpertParallelAxis:
     def __init__(self, ranks: int, rank: int, group, plan=None, capacity: float | str | None = None, split: int = 1):
         self.ranks, self.rank, self.group, self.plan, self.capacity = ranks, rank, group, plan, capacity
         self.split = split
-        """Parts each micro-batch is traced as (``JobConfig.ep_split``)."""
+        """Parts each micro-batch is traced as (``JobConfig.ep_split``; "auto" until the first program chose)."""
+        self.split_choice: dict[int, float] | None = None
+        """Under "auto": the predicted step of the first program traced whole (1) and in halves (2)."""
         self.placements: dict | None = None
         self.factor: float | None = None if capacity in (None, "dropless") else capacity
         """Hugging Face experts' capacity factor (None: dropless), chosen with the first program where
@@ -369,7 +371,18 @@ class Compiler:
             prog = shard_step(cap, self.strategy, ctx, "step" if mode == "eval" else mode)
             return cap, placements, gather, prog
 
-        cap, placements, gather, prog = self._told(first)
+        ep = self.ep
+        if ep is not None and ep.split == "auto":  # whole and in halves (where the rows split): the faster kept
+            tried = {}
+            for k in (1, 2) if next((t.shape[0] for t in tensors if t.dim()), 1) % 2 == 0 else (1,):
+                ep.split = k
+                tried[k] = self._told(first)
+            ep.split_choice = {k: self.ctx.cost.estimate(r[3].gm)[0] for k, r in tried.items()}
+            ep.split = min(ep.split_choice, key=ep.split_choice.get)
+            # the tp partition keeps its choices (fusion) on the axis: the winner traced again where it was not last
+            cap, placements, gather, prog = self._told(first) if self.tp and ep.split != k else tried[ep.split]
+        else:
+            cap, placements, gather, prog = self._told(first)
         self._agree(prog)
         if placements and self._unplanned():
             # the first program compiled on every rank: the state takes its tp shards only now, so

@@ -204,9 +204,10 @@ class JobConfig:
     of every pair to every rank (buffers for the worst case); None dropless where its predicted graph peak fits the
     memory (the budget's graph share, or the GPU's), else capacity at ``DEFAULT_CAPACITY`` (passes/ep.py
     ``dispatch_choice``; explain says which and why). The built-in MoE sets its own (``capacity_factor``)."""
-    ep_split: int = 1
+    ep_split: int | str = 1
     """With an ep axis: each micro-batch traced as this many parts (rows), interleaved so one part's ep
-    collectives run under another's compute (passes/ep.py ``interleave``); each dispatched alone."""
+    collectives run under another's compute (passes/ep.py ``interleave``); each dispatched alone. ``"auto"``: traced
+    whole and in halves, the faster step the cost model predicts kept (explain says both)."""
     timeout: float | None = 100.0
     """Seconds a step or eval may wait on other ranks; six times that while it compiles (a save, load or export is
     watched for a rank that raises, not for time). A rank that waits longer leaves with a message naming the rank that
@@ -251,9 +252,10 @@ class JobConfig:
                                          or not self.ep_plan):
             raise ValueError(f"ep_plan must be a non-empty list of parameter-name globs (e.g. ['*.experts.*']), "
                              f"got {self.ep_plan!r}")
-        if not isinstance(self.ep_split, int) or isinstance(self.ep_split, bool) or self.ep_split < 1:
+        if self.ep_split != "auto" and (not isinstance(self.ep_split, int) or isinstance(self.ep_split, bool)
+                                        or self.ep_split < 1):
             raise ValueError(f"ep_split must be a number of batch parts >= 1 (2 overlaps one half's all-to-alls "
-                             f"with the other's compute), got {self.ep_split!r}")
+                             f"with the other's compute) or 'auto' (the cost model's choice), got {self.ep_split!r}")
         c = self.ep_capacity_factor
         if c is not None and c != "dropless" and not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):
             raise ValueError(f"ep_capacity_factor must be a positive number (1.25 is common), 'dropless', or None "

@@ -45,7 +45,7 @@ def compile(model: nn.Module, optimizer: Callable | None = None, strategy: str =
             matmul_sm_carveout: int | str | None = "auto", link_profile=None,
             tp_plan=None, sequence_parallel: bool = False, allow_replicate: bool = False,
             vocab_parallel: bool | None = None, tp_fuse: str = "auto",
-            ep_plan=None, ep_capacity_factor: float | str | None = None, ep_split: int = 1,
+            ep_plan=None, ep_capacity_factor: float | str | None = None, ep_split: int | str = 1,
             timeout: float | None = 100.0) -> "Job":
     """Compile a single-device model and optimizer into a sharded training job.
 

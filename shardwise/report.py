@@ -169,6 +169,9 @@ def _moe_lines(job, prog) -> list[str]:
     if any(not layer["capacity"] for layer in layers):
         out.append("    dropless: the experts' group sizes follow the routing, so every rank's pairs go to every "
                    "rank (buffers for the worst case)")
+    if job.ep is not None and job.ep.split_choice:
+        out.append(f"    ep_split=auto: {job.ep.split} part(s) a micro-batch, by the cost model: predicted step "
+                   + ", ".join(f"{t * 1e3:.3f} ms as {k}" for k, t in job.ep.split_choice.items()))
     c = job.ep.dispatch_choice if job.ep is not None else None
     if c:
         room = "no memory limit known" if c["room"] is None else f"the graph's room {size_text(c['room'])}"

@@ -1,9 +1,13 @@
 """Expert parallelism (issue 24): the built-in MoE's experts split over the ep axis, tokens sent to
 them and back by all-to-all; parity with single-device training, the graph change, the memory."""
 
+import re
+
 import harness
 import pytest
 import torch
+
+from shardwise.config import JobConfig
 
 
 def _parity(pools, strategy, ep, ws, cf=2.0, steps=3, **kw):
@@ -182,6 +186,20 @@ def test_a_split_batch_overlaps_one_halfs_all_to_alls_with_the_others_compute(po
 
     # one row per layer either way, its two halves' collectives sending what the whole batch's did
     assert moe_rows(halves) == moe_rows(whole) and len(moe_rows(whole)) == 2, (moe_rows(whole), moe_rows(halves))
+
+
+def test_ep_split_auto_keeps_what_the_cost_model_predicts_faster(pools):
+    """ep_split="auto": the first program traced whole and in halves, the faster predicted step kept; explain gives
+    both predictions; the program run is the chosen one (4 forward all-to-alls whole, 8 in halves), with the numbers
+    of one device."""
+    info = _parity(pools, "zero3", 2, 2, ep_split="auto")
+    line = next(ln for ln in info["explain"].splitlines() if "ep_split=auto" in ln)
+    chosen = int(re.search(r"ep_split=auto: (\d) part", line)[1])
+    predicted = {int(k): float(t) for t, k in re.findall(r"([\d.]+) ms as (\d)", line)}
+    assert sorted(predicted) == [1, 2] and chosen == min(predicted, key=predicted.get), line
+    assert len(info["products_under_all_to_all"]) == 4 * chosen, info["products_under_all_to_all"]
+    with pytest.raises(ValueError, match="ep_split must be a number of batch parts >= 1 .* or 'auto'"):
+        JobConfig(ep_split="halves")
 
 
 def test_a_split_batch_counts_the_pairs_every_part_dropped(pools):

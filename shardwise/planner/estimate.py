@@ -136,8 +136,8 @@ class Strategy:
     each gathered weight out of the all-gather's buffer and each gradient into the reduce-scatter's
     (its copy-in/copy-out kernels, by bytes). None: none counted (Megatron, MaxText, shardwise)."""
     dispatch: str = "alltoall"
-    """MoE tokens to their experts: ``alltoall`` (each routed copy sent: Megatron's dispatcher, shardwise's) or ``deepep``
-    (DeepEP: once to each rank holding one of its experts; across nodes once to each node, then on over NVLink)."""
+    """MoE tokens to their experts: ``alltoall`` (each routed copy sent: Megatron's dispatcher, shardwise's) or
+    ``deepep`` (DeepEP: once to each rank holding one of its experts; across nodes once to each node, then NVLink)."""
     flushes: int = 1
     """Pipeline schedules a step, each filled and drained (NeMo AutoModel's accumulation); 1: one (Megatron's)."""
     routing: str = "balanced"
@@ -145,8 +145,8 @@ class Strategy:
     t·k+k-1: NeMo AutoModel's fake balanced gate)."""
 
     def __post_init__(self):
-        for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS),
-                         ("recompute", RECOMPUTE), ("fp8", FP8_RECIPES), ("dispatch", DISPATCHES), ("routing", ROUTINGS)):
+        for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS), ("recompute",
+                         RECOMPUTE), ("fp8", FP8_RECIPES), ("dispatch", DISPATCHES), ("routing", ROUTINGS)):
             if getattr(self, k) not in kinds:
                 raise ValueError(f"{k} must be one of {', '.join(map(str, kinds))}, got {getattr(self, k)!r}")
         if not self.capacity >= 1.0:
@@ -449,9 +449,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         + f"; compute = {g(compute)} s",
         f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
-        f"bubble = (pp-1)·flushes/(m·v)·compute + the exposed exchanges with the next stage, max({tp_share:.0%}·2·m·v, "
-        f"2·(pp-1)·flushes) x {g(p2p_one)} s = ({st.pp}-1)·{st.flushes}/({m}·{st.virtual})·{g(compute)} + {g(p2p)} = "
-        f"{g(bubble)} s",
+        f"bubble = (pp-1)·flushes/(m·v)·compute + the exposed exchanges with the next stage, max("
+        f"{tp_share:.0%}·2·m·v, 2·(pp-1)·flushes) x {g(p2p_one)} s = ({st.pp}-1)·{st.flushes}/({m}·"
+        f"{st.virtual})·{g(compute)} + {g(p2p)} = {g(bubble)} s",
         dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
         f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
         + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")
@@ -476,9 +476,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                            f"{layers_here} layers x {m} micro-batches over {st.cp} ranks = {g(cp_comm)} s, exposed "
                            f"what outlasts the attention's products = {g(cp_exposed)} s")
     if st.ep > 1:
-        formulas.insert(4, f"expert parallel = {a2a_per_layer} all-to-alls x {layers_here} layers x {m} micro-batches over "
-                           f"{st.ep} ranks ({st.dispatch}" + (f", {st.routing} routing" if st.dispatch == "deepep" else "")
-                           + f") = {g(ep_comm)} s")
+        formulas.insert(4, f"expert parallel = {a2a_per_layer} all-to-alls x {layers_here} layers x {m} micro-batches "
+                           f"over {st.ep} ranks ({st.dispatch}" + (f", {st.routing} routing" if st.dispatch == "deepep"
+                                                                   else "") + f") = {g(ep_comm)} s")
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
                     tp_exposed_s=tp_share * tp_comm, ep_comm_s=ep_comm, pp_bubble_s=bubble, dp_comm_s=dp_comm,
                     dp_exposed_s=dp_exposed, optimizer_s=optimizer, tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
