@@ -769,6 +769,8 @@ def test_a_pipeline_flushed_per_local_batch_pays_its_bubble_each_time():
     assert (four.pp_bubble_s - once.pp_bubble_s) == pytest.approx(3 * (4 - 1) / (64 * 2) * once.compute_s, rel=0.05)
     with pytest.raises(ValueError, match="flushes=3 does not divide the 64 micro-batches"):
         estimate(m, c, dataclasses.replace(st, flushes=3))
+    with pytest.raises(ValueError, match="flushes must be at least 1, got 0"):
+        Strategy(flushes=0)
 
 
 def test_megatron_cores_rank_order_keeps_a_small_expert_group_inside_a_node():

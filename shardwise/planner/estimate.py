@@ -153,7 +153,7 @@ class Strategy:
             raise ValueError(f"capacity must be at least 1 (an expert's share of the routed tokens), got {self.capacity}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0..3, got {self.zero}")
-        for k in ("tp", "pp", "micro_batch", "virtual", "ep", "cp"):
+        for k in ("tp", "pp", "micro_batch", "virtual", "ep", "cp", "flushes"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be at least 1, got {getattr(self, k)}")
         if self.fp8 and self.efficiency is not None:
