@@ -8,7 +8,7 @@ import sys
 import time
 
 from .cli import build_model, memory_kw, mesh_args, mesh_of, model_args, optimizer_args, tp_kw
-from .errors import size_text
+from .errors import BudgetError, size_text
 
 
 def train_parser(sub) -> None:
@@ -107,6 +107,8 @@ def train_main(args) -> None:
 
     import shardwise as sw
     from shardwise.data import ByteFile, SyntheticStream
+    from shardwise.recipes import adamw_groups, cosine_with_warmup
+    from shardwise.runtime.checkpoint import latest, prune
     from shardwise.runtime.memory import measure
 
     if args.device == "cpu":
@@ -115,8 +117,6 @@ def train_main(args) -> None:
     rank = dist.get_rank()
     drank, dws = mesh.batch_rank(), mesh.batch_ranks  # the ranks of one tp group read the same batches
     model, seq, mp = build_model(args, mesh, **({"vocab": 256} if args.data else {}))
-    from shardwise.recipes import adamw_groups, cosine_with_warmup
-
     job = sw.compile(model, optimizer=lambda named: adamw_groups(named, lr=args.lr, weight_decay=0.1),
                      strategy=args.strategy, mesh=mesh, mixed_precision=mp, compile=args.compile,
                      clip_grad_norm=args.clip, timeout=args.timeout, **memory_kw(args), **tp_kw(args))
@@ -125,9 +125,6 @@ def train_main(args) -> None:
     data = (ByteFile(args.data, seq, args.batch, drank, dws, args.seed) if args.data
             else SyntheticStream(model.cfg.vocab, seq, args.batch, args.seed))
     n = sum(p.numel() for p in model.parameters())
-    from shardwise.errors import BudgetError
-    from shardwise.runtime.checkpoint import latest, prune
-
     start, pos, resumed = 0, 0, None  # pos: the next micro-batch index of the data stream
     if args.resume:
         path = latest(args.checkpoint_dir)
@@ -198,13 +195,12 @@ def train_main(args) -> None:
         pos += k
         batch = micro if k > 1 else micro[0]
         t0 = time.perf_counter()
-        on_cpu = mesh.device.type == "cpu"
         ran = step - start  # steps this run has taken before this one
         if ran == 2:
             # one step under torch.profiler: the measured exposed communication of the step line
             loss, prof = job.profile_step(batch)
             exposed, exposed_step = prof["exposed_pct"], step + 1
-        elif not on_cpu or ran == 1 or (args.mem_every and step % args.mem_every == 0 and ran > 0):
+        elif mesh.device.type != "cpu" or ran == 1 or (args.mem_every and step % args.mem_every == 0 and ran > 0):
             loss, peak = measure(job, lambda: job.step(batch))
             peak_step = step + 1
         else:

@@ -60,8 +60,6 @@ class BenchConfig:
     def __post_init__(self):
         if bad := [s for s in self.systems if s.split(":")[0] not in SYSTEMS]:
             raise ValueError(f"bench: unknown system(s) {bad}: choose from {', '.join(SYSTEMS)}")
-        for s in self.systems:
-            options(s)
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"bench: precision must be fp32 or bf16, got {self.precision!r}")
         if self.executor not in ("auto", "fx", "inductor"):
@@ -87,7 +85,7 @@ class BenchConfig:
             raise ValueError(f"bench: --capacity-factor sets the MoE's expert capacity: give it with --model moe, "
                              f"not {self.model}")
         for s in self.systems:
-            opts = options(s) if s.startswith("shardwise") else {}
+            opts = options(s)  # every system's options parse (ep and fuse are shardwise's alone)
             if opts.get("ep", 1) < 1:
                 raise ValueError(f"bench: {s!r}: ep takes a number of ranks >= 1")
             if opts.get("tp_fuse", "auto") not in ("auto", "off", "ring", "kernel") or ("tp_fuse" in opts and self.tp == 1):

@@ -45,7 +45,7 @@ def peer(system: str, cfg: BenchConfig, model, device):
         raise RuntimeError(f"{kind} has no tensor parallelism in this bench: with --tp run {', '.join(TP_PEERS)}")
     if kind in ("deepspeed", "deepcompile"):
         return _deepspeed(system, cfg, model, device)
-    loss_ctx = contextlib.nullcontext
+    loss_ctx, amp = contextlib.nullcontext, cfg.precision == "bf16"  # bf16: autocast, except under FSDP2 (below)
     if kind in ("fsdp2", "fsdp2-compile", "fsdp2-offload"):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
@@ -73,10 +73,8 @@ def peer(system: str, cfg: BenchConfig, model, device):
         amp = False  # FSDP2 casts the parameters itself
     elif kind == "ddp":
         run = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        amp = cfg.precision == "bf16"
     else:  # compile: this rank alone, no communication
         run = torch.compile(model)
-        amp = cfg.precision == "bf16"
     # fused=1: torch's fused AdamW kernel, the update shardwise runs on CUDA; default: torch's (foreach on CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **({"fused": True} if options(system).get("fused") else {}))
 

@@ -19,13 +19,11 @@ def label(r: dict, common: frozenset = frozenset()) -> str:
 
 def plot(rec: dict, path: str) -> str:
     """Bar plot of tokens/s per GPU per system, step time and peak memory written on the bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a figure for a file needs no backend or display
 
     ok = [r for r in rec["results"] if r.get("tokens_per_s_per_gpu")]
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(ok) + 2), 4))
+    fig = Figure(figsize=(max(5, 1.3 * len(ok) + 2), 4))
+    ax = fig.subplots()
     xs = range(len(ok))
     ax.bar(xs, [r["tokens_per_s_per_gpu"] for r in ok], color=["tab:blue" if r["system"].startswith("shardwise")
                                                               else "tab:gray" for r in ok])
@@ -46,5 +44,4 @@ def plot(rec: dict, path: str) -> str:
                  + (f"; every row: {shared}" if shared else ""), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -78,6 +78,7 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
     from ..data import SyntheticStream
     from ..runtime.memory import measure
     from ..runtime.profile import profiled
+    from ..runtime.state import optimizer_kind
 
     device = bench_device()
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -116,8 +117,6 @@ def run_system(system: str, cfg: BenchConfig, ctrl=None) -> dict:
         job.replan_at = 2
     else:
         step, opt = peer(system, cfg, model, device)
-    from ..runtime.state import optimizer_kind
-
     inner = getattr(opt, "optimizer", None)  # DeepSpeed's ZeRO wrapper holds the optimizer that steps
     row["optimizer"] = optimizer_kind(inner if isinstance(inner, torch.optim.Optimizer) else opt)
     if system.startswith("shardwise") and job.state.streamer is not None:
@@ -361,11 +360,10 @@ def bench(cfg: BenchConfig, out_dir: str = "bench/results", name: str | None = N
         t0 = time.perf_counter()
         try:
             row = run_system(system, cfg, ctrl)
-            err = ""
         except Exception as e:  # noqa: BLE001 - recorded, the next system still runs
             row = {"system": system, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            err = row["error"]
             traceback.print_exc()
+        err = row.get("error", "")
         # agree: a system counts only if it ran on every rank
         errs: list = [None] * ws
         dist.all_gather_object(errs, err, group=ctrl)

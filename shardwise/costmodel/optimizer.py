@@ -59,15 +59,12 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     if have := sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                    if isinstance(v, torch.Tensor)):
         return have
-    # tensors of the parameter's size per parameter, and whether a scalar ``step`` tensor is kept too
-    kinds = {torch.optim.Adam: (2, True), torch.optim.AdamW: (2, True), torch.optim.Adamax: (2, True),
-             torch.optim.NAdam: (2, True), torch.optim.RAdam: (2, True), torch.optim.Adagrad: (1, True),
-             torch.optim.RMSprop: (1, True), torch.optim.Adadelta: (2, True)}
-    k, step = 0, False
-    for c, (m, s) in kinds.items():
-        if isinstance(opt, c):
-            k, step = m, s
+    # tensors of the parameter's size per parameter; each of these kinds also keeps a scalar ``step`` tensor
+    kinds = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.Adamax: 2, torch.optim.NAdam: 2,
+             torch.optim.RAdam: 2, torch.optim.Adagrad: 1, torch.optim.RMSprop: 1, torch.optim.Adadelta: 2}
+    k = next((m for c, m in kinds.items() if isinstance(opt, c)), 0)
+    step = 4 if k else 0
     if isinstance(opt, torch.optim.SGD) and opt.defaults.get("momentum"):
         k = 1
     ps = [p for g in opt.param_groups for p in g["params"]]
-    return sum(k * p.numel() * p.element_size() + (4 if step else 0) for p in ps)
+    return sum(k * p.numel() * p.element_size() + step for p in ps)

@@ -7,13 +7,11 @@ from .simulate import Timeline
 
 def plot_timeline(tl: Timeline, path: str, title: str = "") -> str:
     """Write a PNG of ``tl``: compute above, communication below, exposed waits in red. Returns ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a figure for a file needs no backend or display
 
     lanes = {"compute": (1.0, "tab:blue"), "comm": (0.0, "tab:orange"), "wait": (1.0, "tab:red")}
-    fig, ax = plt.subplots(figsize=(12, 2.6))
+    fig = Figure(figsize=(12, 2.6))
+    ax = fig.subplots()
     for lane, (y, color) in lanes.items():
         bars = [(a * 1e3, (b - a) * 1e3) for ln, _, a, b in tl.events if ln == lane and b > a]
         if bars:
@@ -27,5 +25,4 @@ def plot_timeline(tl: Timeline, path: str, title: str = "") -> str:
     ax.legend(loc="upper right", fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -89,11 +89,7 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         x = F.dropout(x, self.cfg.dropout, self.training)
         for blk in self.blocks:
-            if self.cfg.checkpoint and self.training:
-                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
-            else:
-                x = blk(x)
+            x = (torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+                 if self.cfg.checkpoint and self.training else blk(x))
         logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return next_token_loss(logits, targets)
+        return logits if targets is None else next_token_loss(logits, targets)

@@ -54,11 +54,7 @@ class Llama(nn.Module):
             raise ValueError(f"{type(self).__name__}: sequence length {idx.shape[1]} exceeds seq={self.cfg.seq}")
         x = self.tok(idx)
         for blk in self.blocks:
-            if self.cfg.checkpoint and self.training:
-                x = torch.utils.checkpoint.checkpoint(blk, x, self.rope_cos, self.rope_sin, use_reentrant=False)
-            else:
-                x = blk(x, self.rope_cos, self.rope_sin)
+            x = (torch.utils.checkpoint.checkpoint(blk, x, self.rope_cos, self.rope_sin, use_reentrant=False)
+                 if self.cfg.checkpoint and self.training else blk(x, self.rope_cos, self.rope_sin))
         logits = self.head(self.norm(x))
-        if targets is None:
-            return logits
-        return next_token_loss(logits, targets)
+        return logits if targets is None else next_token_loss(logits, targets)

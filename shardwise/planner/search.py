@@ -115,13 +115,11 @@ def to_fit(m: ModelSpec, spec: str, base: Strategy, most: int = 64, space: dict 
     (up to ``most`` times) on which one does, and the fastest layout that fits there. None where the
     cluster is not given by nodes or no multiple helps."""
     name, _, count = spec.partition(":")
-    k = 2
-    while count.isdigit() and k <= most:
+    for k in _powers(most)[1:] if count.isdigit() else []:  # 2, 4, ... up to most
         bigger = f"{name}:{int(count) * k}"
         top, _ = search(m, cluster(bigger, fabric), base, top=1, space=space)
         if top:
             return bigger, top[0]
-        k *= 2
     return None
 
 

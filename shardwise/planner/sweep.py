@@ -91,13 +91,11 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], key: str, path: str, title: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a figure for a file needs no backend or display
 
     ok = [r for r in rows if "step_s" in r]
-    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(ok) + 2), 3.8))
+    fig = Figure(figsize=(max(5, 0.9 * len(ok) + 2), 3.8))
+    ax = fig.subplots()
     xs = range(len(ok))
     ax.bar(xs, [r["tokens_per_s_per_gpu"] for r in ok], color=["tab:blue" if r["fits"] else "tab:red" for r in ok])
     for x, r in zip(xs, ok):
@@ -109,5 +107,4 @@ def plot(rows: list[dict], key: str, path: str, title: str) -> str:
     ax.margins(y=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

@@ -166,13 +166,10 @@ def vtrain_summary(rows: list[dict]) -> str:
 
 def collective_table(runs: list[CollectiveRun] | None = None, nbytes: float = 8 * 2**30) -> list[dict]:
     """Predicted bus bandwidth (``nbytes`` / predicted time x nccl-tests' bus factor) per run."""
-    rows = []
-    for r in _load()["collective"] if runs is None else runs:
-        t = cluster(r.cluster).collective_s(r.kind, nbytes, r.gpus)
-        pred = nbytes / t * bus_factor(r.kind, r.gpus)
-        rows.append({"run": r.label, "measured_gbs": r.measured_busbw / 1e9, "predicted_gbs": pred / 1e9,
-                     "error": pred / r.measured_busbw - 1, "input": r.input, "source": r.source})
-    return rows
+    return [{"run": r.label, "measured_gbs": r.measured_busbw / 1e9, "predicted_gbs": pred / 1e9,
+             "error": pred / r.measured_busbw - 1, "input": r.input, "source": r.source}
+            for r in (_load()["collective"] if runs is None else runs)
+            for pred in [nbytes / cluster(r.cluster).collective_s(r.kind, nbytes, r.gpus) * bus_factor(r.kind, r.gpus)]]
 
 
 def collective_markdown(rows: list[dict]) -> str:
@@ -182,14 +179,11 @@ def collective_markdown(rows: list[dict]) -> str:
 
 
 def memory_table(runs: list[MemoryRun] | None = None) -> list[dict]:
-    rows = []
-    for r in _load()["memory"] if runs is None else runs:
-        e = estimate(r.model, cluster(r.cluster), r.strategy)
-        gb = e.memory["total"] / 1e9
-        rows.append({"run": r.label, "measured_gb": r.measured_gb, "predicted_gb": gb,
-                     "activations_gb": e.memory["activations"] / 1e9, "error": gb / r.measured_gb - 1,
-                     "source": r.source})
-    return rows
+    return [{"run": r.label, "measured_gb": r.measured_gb, "predicted_gb": e.memory["total"] / 1e9,
+             "activations_gb": e.memory["activations"] / 1e9, "error": e.memory["total"] / 1e9 / r.measured_gb - 1,
+             "source": r.source}
+            for r in (_load()["memory"] if runs is None else runs)
+            for e in [estimate(r.model, cluster(r.cluster), r.strategy)]]
 
 
 def memory_markdown(rows: list[dict]) -> str:

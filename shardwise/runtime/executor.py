@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from ..capture import flatten_batch
@@ -84,8 +85,6 @@ class Executor:
         bufs = [self.buffers[n] for n in names if self.buffers[n].is_floating_point()]
         if ranks == 1 or not bufs:
             return
-        import torch.distributed as dist
-
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64 if b.dtype == torch.float64 else torch.float32)
                           for b in bufs])
         dist.all_reduce(flat, group=group)

@@ -37,7 +37,6 @@ def _model_hook(job):
                 "your own would not reduce gradients across ranks (their weights would drift apart). Train with "
                 "job.step(batch) (a list of micro-batches accumulates); for inference wrap the call in "
                 "torch.no_grad(), or use job.eval_step(batch)")
-        return None
 
     return check
 
@@ -47,7 +46,6 @@ def _optimizer_hook(job):
         if not job._stepping:
             raise OutsideStepError("job.optimizer.step() was called outside job.step: the job reduces the gradients "
                                    "and steps the optimizer itself. Call job.step(batch) once per optimizer step")
-        return None
 
     return check
 

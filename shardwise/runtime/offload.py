@@ -23,6 +23,7 @@ parity) without streams."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -228,38 +229,32 @@ class StreamedOptimizer:
     def run_host_update(self, arrived: dict, published: dict[str, Future]) -> None:
         """Worker thread: step each host parameter once its gradient is home, then send its compute
         weights to the device (``published[name]`` gets the copy's event)."""
-        try:
-            for n, ev in arrived.items():
-                hp, b = self._host_params[n], self._host_bufs[n]
-                if self.cuda:
-                    ev.synchronize()
-                g = b["grad"].view(hp.shape)
-                if "grad32" in b:
-                    g = b["grad32"].copy_(g)
-                hp.grad = g
-                self._host_opt.step()
-                hp.grad = None
-                c = self.compute.get(n)
-                sent = None
-                self._host_moved += c.numel() * c.element_size() if c is not None else 0
-                if c is not None and self.cuda:
-                    out = b["out"]
-                    if n in self._host_sent:
-                        self._host_sent[n].synchronize()  # the last step's copy has left the buffer
-                    out.copy_(hp.data.view(out.shape))
-                    with torch.cuda.stream(self.hs):
-                        c.copy_(out, non_blocking=True)
-                        sent = self._event()
-                    self._host_sent[n] = sent
-                elif c is not None:
-                    c.copy_(hp.data)
-                if n in published:
-                    published[n].set_result(sent)
-        except BaseException as e:
-            for f in published.values():
-                if not f.done():
-                    f.set_exception(e)
-            raise
+        for n, ev in arrived.items():
+            hp, b = self._host_params[n], self._host_bufs[n]
+            if self.cuda:
+                ev.synchronize()
+            g = b["grad"].view(hp.shape)
+            if "grad32" in b:
+                g = b["grad32"].copy_(g)
+            hp.grad = g
+            self._host_opt.step()
+            hp.grad = None
+            c = self.compute.get(n)
+            sent = None
+            self._host_moved += c.numel() * c.element_size() if c is not None else 0
+            if c is not None and self.cuda:
+                out = b["out"]
+                if n in self._host_sent:
+                    self._host_sent[n].synchronize()  # the last step's copy has left the buffer
+                out.copy_(hp.data.view(out.shape))
+                with torch.cuda.stream(self.hs):
+                    c.copy_(out, non_blocking=True)
+                    sent = self._event()
+                self._host_sent[n] = sent
+            elif c is not None:
+                c.copy_(hp.data)
+            if n in published:
+                published[n].set_result(sent)
 
     def start_host(self, grads: dict[str, torch.Tensor], main) -> dict[str, Future]:
         """Send the host parameters' gradients down (in forward order, on their own stream, after the
@@ -284,7 +279,7 @@ class StreamedOptimizer:
             published[n] = Future()
         self._host_job = self._worker.submit(self.run_host_update, arrived, published)
 
-        def failed(job):  # a worker that never ran must not leave the next step's graph waiting
+        def failed(job):  # a worker that failed (or never ran) must not leave the next step's graph waiting
             if job.exception() is not None:
                 for f in published.values():
                     if not f.done():
@@ -347,14 +342,10 @@ class StreamedOptimizer:
         reads them last): ``fraction`` of the offloaded state's bytes, else each one that lowers ``update_time``."""
         take: list[str] = []
         cands = [n for n in self.params if n not in self.resident][::-1] if self.sliced else []
-        if fraction is not None:
+        if fraction is not None:  # each candidate while the ones before it hold less than the fraction
             total = sum(self.param_bytes(n) for n in cands)
-            acc = 0
-            for n in cands:
-                if acc >= fraction * total:
-                    break
-                take.append(n)
-                acc += self.param_bytes(n)
+            before = itertools.accumulate((self.param_bytes(n) for n in cands), initial=0)
+            take = [n for n, acc in zip(cands, before) if acc < fraction * total]
         elif cands:
             self.host_rate = rate if rate is not None else (self.host_rate or self.measure_host_rate())
             self.drain()
