@@ -245,7 +245,8 @@ def hf_run(kind: str, strategy: str, steps: int, dtype: str = "fp64"):
 
 
 def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, **compile_kw):
-    """``hf_run`` on a mesh of dp x ``tp`` ranks: (losses, full_state_dict, tp collectives by kind and phase)."""
+    """``hf_run`` on a mesh of dp x ``tp`` ranks: (losses, full_state_dict, tp collectives by kind and phase, layer 0's
+    local parameter shapes)."""
     from collections import Counter
 
     from shardwise.sharding.collective import collective_of
@@ -255,7 +256,8 @@ def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, **compile_kw):
     losses = [float(job.step(hf_batch(s, mesh.rank("dp")))) for s in range(steps)]
     prog = job.programs()[0]
     cs = [collective_of(n) for n in prog.collective_nodes()]
-    return losses, job.full_state_dict(), Counter((c.kind, c.phase) for c in cs if c.axis == "tp")
+    shapes = {n: tuple(s) for n, s in zip(prog.capture.param_names, prog.capture.param_shapes) if ".layers.0." in n}
+    return losses, job.full_state_dict(), Counter((c.kind, c.phase) for c in cs if c.axis == "tp"), shapes
 
 
 def rel_param_err(sd, ref):

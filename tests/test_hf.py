@@ -174,11 +174,33 @@ def test_the_cost_model_keeps_hf_experts_dropless_where_it_fits_and_takes_capaci
     assert max(errs) <= 1e-5, max(errs)
 
 
+@pytest.mark.parametrize("kind", ["mixtral-grouped_mm", "mixtral-eager"])
+def test_hf_experts_cut_over_tp_within_each_expert(pools, kind):
+    """Hugging Face's experts on tp=2 (fp64, no ep): the plan found from the graph follows each expert's matrix back
+    to its 3-dim parameter (a select of it in the loop and in the grouped products' traced path), cuts gate_up in its
+    gate and up halves (each rank holds its rows of both) and down by its input dim, and the masked rows' partial
+    sums add up over the experts: one all-reduce a layer for the experts in the forward, beside the attention's. The
+    same training as one device (to the fp32 rounding of HF's loss)."""
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        pytest.skip(f"transformers {transformers.__version__} has no experts implementations (5.x has)")
+    ref_losses, ref_sd = harness.hf_reference("mixtral-eager", 1, 3)  # grouped_mm's kernel takes no fp64 eagerly
+    losses, sd, counts, shapes = pools(2).run(harness.hf_tp_run, kind, "zero3", 3, 2)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-6
+    assert harness.rel_param_err(sd, ref_sd) <= 1e-6
+    e, two_f, h = ref_sd["model.layers.0.mlp.experts.gate_up_proj"].shape
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (e, two_f // 2, h), shapes
+    assert shapes["model.layers.0.mlp.experts.down_proj"] == (e, h, two_f // 4), shapes
+    # 2 layers, each the attention's and the experts'; 4: the vocab-parallel embedding's and head's (as HF Llama's)
+    assert counts[("all_reduce", "fwd")] == 2 * 2 + 4, counts
+
+
 @pytest.mark.parametrize("kind,sp,factor", [("mixtral-grouped_mm", True, None), ("qwen2_moe", False, 1.0)])
 def test_hf_experts_on_a_mesh_of_ep_and_tp(pools, kind, sp, factor):
-    """ep=2 x tp=2 under zero3: the experts split over ep as traced (each rank 2 of the 4, whole over tp), the
-    attention (and Qwen's shared expert) cut over tp by the plan found from the graph, then their tp shards' rows
-    over ep (ZeRO over dp x ep). Mixtral dropless with sequence parallelism; Qwen2-MoE under the capacity rule at
+    """ep=2 x tp=2 under zero3: the experts split over ep as traced (each rank 2 of the 4), and over tp within each
+    expert as the attention (and Qwen's shared expert) are, by the plan found from the graph; then their tp shards'
+    rows over ep (ZeRO over dp x ep). Mixtral dropless with sequence parallelism; Qwen2-MoE under the capacity rule at
     factor 1, its pairs past capacity dropped as one device drops them. The same training as eager fp32 on one
     device, to fp32 rounding: the tp ranks' partial sums add in another order, which AdamW's per-tensor scaling
     shows most on the experts' small gradients (1.0e-5 after 4 steps here; 3e-6 on tp alone, 4e-6 on ep alone)."""
@@ -194,9 +216,11 @@ def test_hf_experts_on_a_mesh_of_ep_and_tp(pools, kind, sp, factor):
     errs = {k: ((sd[k] - ref_sd[k]).norm() / ref_sd[k].norm().clamp_min(1e-30)).item() for k in ref_sd
             if ref_sd[k].is_floating_point() and not k.endswith("k_proj.bias")}
     assert max(errs.values()) <= 3e-5, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
-    # the graph change: this rank's experts whole over tp, q_proj's rows cut over tp and then over ep
-    whole = tuple(ref_sd["model.layers.0.mlp.experts.gate_up_proj"].shape)
-    assert whole[0] == 4 and shapes["model.layers.0.mlp.experts.gate_up_proj"] == (2, *whole[1:]), shapes
+    # the graph change: this rank's 2 experts cut over tp within each (gate_up in its gate and up halves' rows, down by
+    # its input columns), q_proj's rows cut over tp and then over ep
+    e, two_f, h = ref_sd["model.layers.0.mlp.experts.gate_up_proj"].shape
+    assert e == 4 and shapes["model.layers.0.mlp.experts.gate_up_proj"] == (2, two_f // 2, h), shapes
+    assert shapes["model.layers.0.mlp.experts.down_proj"] == (2, h, two_f // 4), shapes
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32 // 4, 32), shapes
     # the ep dispatch as on ep alone (per layer, dropless: three gathers to the experts and one reduce-scatter back;
     # capacity: one all-to-all there and one back), the tp axis's own collectives beside it

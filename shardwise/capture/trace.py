@@ -251,12 +251,14 @@ def _grouped_by_rows(mat_a, mat_b, offs):
     """``grouped_mm(mat_a, mat_b, offs=offs)`` for a 2-d ``mat_a`` ([rows, k], rows grouped in order, group ``g`` ending
     at ``offs[g]``) and a 3-d ``mat_b`` ([groups, k, n]), in plain ops with static shapes: every group's product on
     every row, each row keeping its own group's (the other terms are exact zeros). ``groups`` times the FLOPs: the
-    reference path where the kernel's tracing rule refuses the dtype or device (its meta kernel takes bf16 only)."""
+    reference path where the kernel's tracing rule refuses the dtype or device (its meta kernel takes bf16 only). The
+    rows are masked before each product, not after: cut over tp, a row-parallel product's partial sums then add up
+    across the groups and are reduced once."""
     rows = torch.arange(mat_a.shape[0], device=mat_a.device)
     group = torch.searchsorted(offs.to(torch.int64), rows, right=True)
     out = None
     for g in range(mat_b.shape[0]):
-        part = (mat_a @ mat_b[g]) * (group == g).unsqueeze(1).to(mat_a.dtype)
+        part = (mat_a * (group == g).unsqueeze(1).to(mat_a.dtype)) @ mat_b[g]
         out = part if out is None else out + part
     return out
 

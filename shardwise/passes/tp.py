@@ -325,6 +325,11 @@ def _contiguous(g, x):
     return emit.node(g, aten.clone.default, (x,), v, memory_format=torch.contiguous_format)
 
 
+def _gate(a: fx.Node) -> bool:
+    """A value broadcast along the last dim (one per token: an expert's mask, a routing weight)."""
+    return a.meta["val"].shape[-1:] == (1,)
+
+
 def _fused_blocks(mm: fx.Node) -> int:
     """How many equal blocks a product's output is split into along its last dim, through its bias and views that keep
     that dim (a fused q|k|v: 3), or 1: its weight is then cut in as many blocks, each rank holding its heads of each."""
@@ -337,7 +342,8 @@ def _fused_blocks(mm: fx.Node) -> int:
             if _split_dim(u) == n.meta["val"].dim() - 1 and len(sizes) > 1 and len(set(sizes)) == 1:
                 return len(sizes)
             return 1
-        if u.target in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
+        gate = u.target is aten.mul.Tensor and all(a is n or _gate(a) for a in u.all_input_nodes)  # experts' masks
+        if (gate or u.target in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default)) \
                 and u.meta["val"].shape[-1] == last:
             n = u
             continue
@@ -371,12 +377,20 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
         if n in fwd and n.target in (aten.mm.default, aten.bmm.default):
             # a matrix, or one per expert (a batched product of a 3-dim weight: its dims 1 and 2)
             nd = 2 if n.target is aten.mm.default else 3
-            out_dim, w = nd - 1, n.args[1]
-            while w.op == "call_function" and w.target in (aten.t.default, aten.transpose.int) \
-                    and (w.target is aten.t.default or {d % nd for d in w.args[1:]} == {nd - 2, nd - 1}):
-                out_dim, w = 2 * nd - 3 - out_dim, w.args[0]
-            if w in names and w.meta["val"].dim() == nd:
-                linear[n], in_dim[n] = (names[w], out_dim), 2 * nd - 3 - out_dim
+            # the weight's contracted and output dims, followed back to the parameter through transposes and an
+            # expert's matrix taken from a 3-dim one (Hugging Face's experts: select of dim 0, or index of dim 0)
+            dims, w = [nd - 2, nd - 1], n.args[1]
+            while w.op == "call_function" and (w.target in (aten.t.default, aten.transpose.int) or (
+                    w.target is aten.select.int and w.args[1] == 0) or (w.target is aten.index.Tensor
+                                                                        and len(w.args[1]) == 1)):
+                if w.target is aten.select.int:
+                    dims = [d + 1 for d in dims]
+                elif w.target is not aten.index.Tensor:  # a transpose
+                    a, b = (0, 1) if w.target is aten.t.default else (d % w.meta["val"].dim() for d in w.args[1:])
+                    dims = [{a: b, b: a}.get(d, d) for d in dims]
+                w = w.args[0]
+            if w in names and w.meta["val"].dim() >= nd and min(dims) == w.meta["val"].dim() - 2:  # its last two
+                linear[n], in_dim[n] = (names[w], dims[1]), dims[0]
     stop = (aten.sum.dim_IntList, aten.mean.dim, aten.native_layer_norm.default, aten._log_softmax.default,
             aten._softmax.default, aten.embedding.default, aten.nll_loss_forward.default)
     region: dict[fx.Node, frozenset] = {}  # node -> the column-parallel products whose region holds it
@@ -393,6 +407,7 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
             continue
         acts = [a for a in n.all_input_nodes if a in activation]
         ruled = info(n.target).rule is not None or is_pointwise(n)  # an op without a rule ends a region
+        acts = [a for a in acts if not (is_pointwise(n) and a not in region and _gate(a))]  # a gate may join it
         if n.target not in stop and ruled and acts and all(a in region for a in acts):
             region[n] = frozenset().union(*(region[a] for a in acts))
     plan: dict[str, object] = {}

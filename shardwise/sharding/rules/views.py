@@ -14,7 +14,7 @@ import torch
 
 from ..ops import register
 from ..placements import Partial, Shard
-from .base import R, dim, outputs_like, tensors, val
+from .base import P, R, dim, outputs_like, tensors, val
 
 aten = torch.ops.aten
 
@@ -200,6 +200,26 @@ def index_add(node, place, ranks):
     return {a: R for a in (x, idx, src) if place(a) != R}, R
 
 
+def index(node, place, ranks):
+    """``x[idx]`` (indices on dim 0 only: an expert's tokens, a pair's weights): a shard of another dim (moved past
+    the index's dims), or a partial ``x``, passes with whole indices; else all whole."""
+    x, idx, px = node.args[0], node.args[1][0], place(node.args[0])
+    if len(node.args[1]) == 1 and (isinstance(px, Partial) or isinstance(px, Shard) and px.dim > 0):
+        return {a: R for a in (idx,) if place(a) != R}, px.moved(px.dim + val(idx).dim() - 1) if px != P else px
+    return {a: R for a in tensors(node) if place(a) != R}, R
+
+
+def index_put(node, place, ranks):
+    """``x[idx] = v`` (added under ``accumulate``; indices on dim 0 only): a partial ``v`` writes into a partial ``x``
+    (every position, written or kept, sums to its value over the ranks); a shard of another dim passes; else whole."""
+    (x, idx, v), one = (node.args[0], node.args[1][0], node.args[2]), len(node.args[1]) == 1
+    d, pv = place(v).dim - val(idx).dim() + 1 if isinstance(place(v), Shard) else 0, place(v)
+    want = P if one and pv == P else pv.moved(d) if one and d > 0 and place(x) in (R, pv.moved(d)) else None
+    if want is None:
+        return {a: R for a in tensors(node) if place(a) != R}, R
+    return {a: p for a, p in ((x, want), (idx, R)) if place(a) != p}, want
+
+
 def cat(node, place, ranks):
     xs = [a for a in node.args[0] if val(a) is not None and val(a).numel()]
     ps = {place(a) for a in xs}
@@ -231,6 +251,8 @@ register(aten.split.Tensor, aten.split_with_sizes.default, rule=split)
 register(aten.cat.default, rule=cat)
 register(aten.index_select.default, rule=index_select)
 register(aten.index_add.default, rule=index_add)
+register(aten.index.Tensor, rule=index)
+register(aten.index_put.default, aten.index_put_.default, rule=index_put)
 register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two,
          rule=indexed)
 register(aten.slice_backward.default, aten.select_backward.default, rule=slice_backward)
