@@ -10,7 +10,7 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise.models import PRESETS, build
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 LR = 1e-2
 
 
@@ -244,7 +244,7 @@ def hf_run(kind: str, strategy: str, steps: int, dtype: str = "fp64"):
     return losses, job.full_state_dict()
 
 
-def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, **compile_kw):
+def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, dtype: str = "fp64", **compile_kw):
     """``hf_run`` on a mesh of dp x ``tp`` ranks: (losses, full_state_dict, tp collectives by kind and phase, layer 0's
     local parameter shapes)."""
     from collections import Counter
@@ -252,7 +252,7 @@ def hf_tp_run(kind: str, strategy: str, steps: int, tp: int, **compile_kw):
     from shardwise.sharding.collective import collective_of
 
     mesh = sw.mesh(tp=tp)
-    job = sw.compile(make_hf(kind), optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw, tp))
+    job = sw.compile(make_hf(kind, dtype), optimizer=adamw, strategy=strategy, mesh=mesh, **split_head(compile_kw, tp))
     losses = [float(job.step(hf_batch(s, mesh.rank("dp")))) for s in range(steps)]
     prog = job.programs()[0]
     cs = [collective_of(n) for n in prog.collective_nodes()]

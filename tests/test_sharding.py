@@ -131,6 +131,35 @@ def test_a_capacity_dispatchs_ops_follow_their_rules():
     assert _op(aten.copy_.default, [(), ()], [Replicate(), Partial()]) == (Replicate(), [("in1", "all_reduce")])
 
 
+def test_hugging_face_experts_ops_follow_their_rules():
+    """The ops around Hugging Face's experts cut over tp: torch's grouped product as its einsum (``mk,gkn->mn``
+    forward, ``km,mn->gkn`` for the weights' gradient), its rows never cut (the offsets name them); ``x[idx]`` and
+    ``x[idx] = v`` of dim 0 pass a shard of another dim, or a partial, with whole indices."""
+    R, P = Replicate(), Partial()
+    if hasattr(aten, "_grouped_mm"):
+        gmm = aten._grouped_mm.default
+        fwd, grad = [(8, 6), (3, 6, 4), (3, "idx")], [(6, 8), (8, 4), (3, "idx")]
+        assert _op(gmm, fwd, [R, Shard(2), R], out_shape=(8, 4)) == (Shard(1), [])  # column-parallel
+        assert _op(gmm, fwd, [Shard(1), Shard(1), R], out_shape=(8, 4)) == (P, [])  # row-parallel
+        assert _op(gmm, fwd, [Shard(0), Shard(2), R], out_shape=(8, 4)) == (R, [("in0", "all_gather"),
+                                                                                 ("in1", "all_gather")])
+        assert _op(gmm, grad, [R, Shard(1), R], out_shape=(3, 6, 4)) == (Shard(2), [])  # the weight's gradient
+    g = torch.fx.Graph()
+    x, idx, v = (g.placeholder(n) for n in ("x", "idx", "v"))
+    x.meta["val"], v.meta["val"], idx.meta["val"] = torch.empty(10, 4), torch.empty(6, 4), torch.empty(6).long()
+    pick, put = g.call_function(aten.index.Tensor, (x, [idx])), g.call_function(aten.index_put.default, (x, [idx], v))
+    pick.meta["val"], put.meta["val"] = torch.empty(6, 4), torch.empty(10, 4)
+    g.output([pick, put])
+
+    def placed(px, pv):
+        plan = propagate(torch.fx.GraphModule(torch.nn.Module(), g), {x: px, idx: R, v: pv}, 2)
+        return plan.placements[pick], plan.placements[put]
+
+    assert placed(Shard(1), Shard(1)) == (Shard(1), Shard(1))
+    assert placed(P, P) == (P, P)
+    assert placed(Shard(0), R) == (R, R)  # a cut of the indexed dim: whole
+
+
 def test_an_op_without_a_rule_is_an_error_naming_it():
     g = torch.fx.Graph()
     x = g.placeholder("x")

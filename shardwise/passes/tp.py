@@ -325,6 +325,9 @@ def _contiguous(g, x):
     return emit.node(g, aten.clone.default, (x,), v, memory_format=torch.contiguous_format)
 
 
+_PRODUCTS = (aten.mm.default, aten.bmm.default, *((aten._grouped_mm.default,) if hasattr(aten, "_grouped_mm") else ()))
+
+
 def _gate(a: fx.Node) -> bool:
     """A value broadcast along the last dim (one per token: an expert's mask, a routing weight)."""
     return a.meta["val"].shape[-1:] == (1,)
@@ -374,8 +377,8 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
     linear = {}  # product node -> (weight name, the weight's dim that is the product's output dim)
     in_dim = {}  # product node -> the weight's dim that the product contracts
     for n in g.nodes:
-        if n in fwd and n.target in (aten.mm.default, aten.bmm.default):
-            # a matrix, or one per expert (a batched product of a 3-dim weight: its dims 1 and 2)
+        if n in fwd and n.target in _PRODUCTS:
+            # a matrix, or one per expert (a batched or grouped product of a 3-dim weight: its dims 1 and 2)
             nd = 2 if n.target is aten.mm.default else 3
             # the weight's contracted and output dims, followed back to the parameter through transposes and an
             # expert's matrix taken from a 3-dim one (Hugging Face's experts: select of dim 0, or index of dim 0)

@@ -13,7 +13,7 @@ import torch
 
 from ..ops import register
 from ..placements import Partial, Shard
-from .base import R
+from .base import R, val
 
 aten = torch.ops.aten
 
@@ -86,5 +86,18 @@ def bmm(node, place, ranks):
     return _einsum("bmk", "bkn", "bmn", node, place)
 
 
+def grouped_mm(node, place, ranks):
+    """torch's grouped product, ``offs`` the groups' row ends: ``mk,gkn->mn`` (each row by its group's matrix: the
+    experts' products) or, in the backward, ``km,mn->gkn`` (each group's weight gradient). A cut of the rows would cut
+    the groups the offsets name, so an operand cut there is gathered; the rest is a product as any."""
+    a, b = node.args[0], node.args[1]
+    dims = ("mk", "gkn", "mn") if val(b).dim() == 3 else ("km", "mn", "gkn")
+    if any(isinstance(place(x), Shard) and d[place(x).dim] in "mg" for x, d in zip((a, b), dims)):
+        return {x: R for x in (a, b) if place(x) != R}, R
+    return _einsum(*dims, node, place)
+
+
 register(aten.mm.default, rule=mm)
+if hasattr(aten, "_grouped_mm"):
+    register(aten._grouped_mm.default, rule=grouped_mm)
 register(aten.bmm.default, rule=bmm)
