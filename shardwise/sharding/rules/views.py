@@ -212,12 +212,13 @@ def index(node, place, ranks):
 def index_put(node, place, ranks):
     """``x[idx] = v`` (added under ``accumulate``; indices on dim 0 only): a partial ``v`` writes into a partial ``x``
     (every position, written or kept, sums to its value over the ranks); a shard of another dim passes; else whole."""
-    (x, idx, v), one = (node.args[0], node.args[1][0], node.args[2]), len(node.args[1]) == 1
-    d, pv = place(v).dim - val(idx).dim() + 1 if isinstance(place(v), Shard) else 0, place(v)
-    want = P if one and pv == P else pv.moved(d) if one and d > 0 and place(x) in (R, pv.moved(d)) else None
-    if want is None:
-        return {a: R for a in tensors(node) if place(a) != R}, R
-    return {a: p for a, p in ((x, want), (idx, R)) if place(a) != p}, want
+    x, idx, v = node.args[0], node.args[1][0], node.args[2]
+    pv = place(v)
+    d = pv.dim - val(idx).dim() + 1 if isinstance(pv, Shard) else 0  # the dim of x that v's shard lies along
+    if len(node.args[1]) == 1 and (pv == P or d > 0 and place(x) in (R, pv.moved(d))):
+        want = pv if pv == P else pv.moved(d)
+        return {a: p for a, p in ((x, want), (idx, R)) if place(a) != p}, want
+    return {a: R for a in tensors(node) if place(a) != R}, R
 
 
 def cat(node, place, ranks):
