@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from .config import JobConfig
 from .errors import size_text
 
 
@@ -189,7 +190,7 @@ def mesh_args(p) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks: the experts of every MoE layer split over them, tokens sent to their "
                         "experts by all-to-all (the ep ranks take batches of their own, as dp ranks do)")
-    p.add_argument("--ep-split", type=lambda v: v if v == "auto" else int(v), default=1, metavar="N|auto",
+    p.add_argument("--ep-split", type=lambda v: int(v) if v.isdigit() else v, default=1, metavar="N|auto",
                    help="with --ep: each micro-batch as N interleaved parts (one's all-to-alls under another's "
                    "compute); auto: whole or in halves, the cost model's faster")
     p.add_argument("--sp", action="store_true",
@@ -555,10 +556,12 @@ def main(argv=None) -> int:
         if args.ep > 1:
             parser.error("bench: --ep would apply to every system, and the peers have no expert parallelism: give it "
                          "to shardwise's rows as a system option, e.g. --systems shardwise,shardwise:ep=2,fsdp2")
-        try:  # bad systems, options and settings are told here, before any rank starts
+    try:  # bad systems, options and settings (the bench's, --ep-split by the job's own check) told before any rank
+        if args.cmd == "bench":
             bench_config(args)
-        except ValueError as e:
-            parser.error(str(e))
+        JobConfig(ep_split=getattr(args, "ep_split", 1))
+    except ValueError as e:
+        parser.error(str(e))
     if args.cmd == "train":
         check_train_args(parser, args)
     tp_only = [f"{f} {what} the tensor-parallel ranks: give --tp N (N > 1)" for f, what, on in (

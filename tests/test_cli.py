@@ -49,6 +49,9 @@ def test_train_with_tensor_and_sequence_parallelism(capsys):
     with pytest.raises(SystemExit):  # told before any rank starts
         main(["train", "--size", "tiny", "--nproc", "2", "--vocab-parallel", "on"])
     assert "--vocab-parallel cuts the LM head over the tensor-parallel ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # by the job's own check, before any rank starts
+        main(["train", "--model", "moe", "--size", "tiny", "--nproc", "2", "--ep", "2", "--ep-split", "halves"])
+    assert "ep_split must be a number of batch parts >= 1" in capsys.readouterr().err
 
 
 def test_train_with_expert_parallelism(tmp_path):
