@@ -13,9 +13,7 @@ from .config import BenchConfig, options
 
 
 def bench_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def build_model(cfg: BenchConfig, device):

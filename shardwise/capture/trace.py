@@ -68,8 +68,7 @@ def flatten_batch(batch) -> tuple[list[torch.Tensor], list[Any], Any]:
     """Split a batch into tensor leaves, constant leaves and its pytree spec."""
     leaves, spec = pytree.tree_flatten(batch)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-    return tensors, consts, spec
+    return tensors, [None if isinstance(x, torch.Tensor) else x for x in leaves], spec
 
 
 def batch_signature(spec, consts, tensors: list[torch.Tensor] | None) -> str:
@@ -113,9 +112,7 @@ def select_inputs(batch, which):
                                "or keys of the batch, or a function batch -> model inputs") from None
 
     if isinstance(which, (tuple, list)):
-        if all(isinstance(k, str) for k in which):
-            return {k: pick(k) for k in which}
-        return tuple(pick(k) for k in which)
+        return {k: pick(k) for k in which} if all(isinstance(k, str) for k in which) else tuple(pick(k) for k in which)
     return (pick(which),)
 
 
@@ -362,8 +359,7 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
     def step(*flat):
         p_in, b_in, t_in = flat[:n_p], flat[n_p : n_p + n_b], list(flat[n_p + n_b :])
         it = iter(t_in)
-        leaves = [next(it) if c is None else c for c in consts]
-        b = pytree.tree_unflatten(leaves, spec)
+        b = pytree.tree_unflatten([next(it) if c is None else c for c in consts], spec)
         state = {**dict(zip(pnames, p_in)), **dict(zip(bnames, b_in))}
         with _reparametrize_module(model, state, tie_weights=True), tracing(), _forwards(forwards):
             losses, counts = [], []  # a split batch: each part's ``dropped`` counts, their sum the batch's

@@ -280,8 +280,7 @@ def fit(samples: list[tuple[int, float]], kind: str, n: int) -> tuple[float, flo
     """Least-squares (α, busbw) from ``(full-tensor bytes, seconds)`` samples of one kind."""
     x = np.array([s * bus_factor(kind, n) for s, _ in samples], dtype=np.float64)
     y = np.array([t for _, t in samples], dtype=np.float64)
-    a = np.stack([np.ones_like(x), x], axis=1)
-    (alpha, inv_bw), *_ = np.linalg.lstsq(a, y, rcond=None)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), y, rcond=None)
     if inv_bw <= 0:
         raise ValueError(f"fit: {kind} times do not grow with size ({samples}); measure larger messages")
     return max(float(alpha), 0.0), float(1.0 / inv_bw)

@@ -170,5 +170,4 @@ DEVICES["h100-hbm2e"] = replace(DEVICES["h100"], name="h100-hbm2e", bandwidth=1.
 
 def cuda_device(name: str) -> Device:
     """The table's entry for a CUDA device name (``torch.cuda.get_device_name``); the H200 if none matches."""
-    low = name.lower()
-    return next((d for d in DEVICES.values() if any(m in low for m in d.match)), DEVICES["h200"])
+    return next((d for d in DEVICES.values() if any(m in name.lower() for m in d.match)), DEVICES["h200"])

@@ -24,8 +24,7 @@ def optimizer_kernel(defaults: dict, device: str) -> str:
 
 def update_time(master_bytes: float, bandwidth: float, adam: bool = True, kernel: str = "fused") -> float:
     """Seconds of one update over ``master_bytes`` of master weights at ``bandwidth`` bytes/s."""
-    passes = PASSES["unfused-adam"] if adam and kernel != "fused" else PASSES["fused"]
-    return passes * master_bytes / bandwidth
+    return (PASSES["unfused-adam"] if adam and kernel != "fused" else PASSES["fused"]) * master_bytes / bandwidth
 
 
 def optimizer_transient(opt: torch.optim.Optimizer) -> int:
@@ -37,9 +36,7 @@ def optimizer_transient(opt: torch.optim.Optimizer) -> int:
     one rank) the measured peak ruled out a second list. The single-tensor loop — the CPU default — holds two
     temporaries of one parameter plus the previous parameter's denominator. Other optimizers are modelled as Adam."""
     ps = [p for g in opt.param_groups for p in g["params"]]
-    if not ps:
-        return 0
-    return step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults, ps[0].device.type)
+    return step_temporaries([p.numel() * p.element_size() for p in ps], opt.defaults, ps[0].device.type) if ps else 0
 
 
 def step_temporaries(per: list[int], defaults: dict, device: str) -> int:
@@ -66,5 +63,4 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     step = 4 if k else 0
     if isinstance(opt, torch.optim.SGD) and opt.defaults.get("momentum"):
         k = 1
-    ps = [p for g in opt.param_groups for p in g["params"]]
-    return sum(k * p.numel() * p.element_size() + step for p in ps)
+    return sum(k * p.numel() * p.element_size() + step for g in opt.param_groups for p in g["params"])

@@ -54,8 +54,7 @@ def add_accumulators(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, inplac
     new_grads = []
     for gn, ph in zip(grads, sums):
         with g.inserting_before(gn.next):
-            c = emit.cast(g, gn, emit.val(ph).dtype)
-            new_grads.append(emit.node(g, add, (ph, c), emit.val(ph)))
+            new_grads.append(emit.node(g, add, (ph, emit.cast(g, gn, emit.val(ph).dtype)), emit.val(ph)))
     with g.inserting_before(loss.next):
         new_loss = emit.node(g, torch.ops.aten.add.Tensor, (loss_ph, loss), lv)
     set_outputs(gm, new_loss, [] if inplace else new_grads)
@@ -67,8 +66,7 @@ def into_inputs(prog: Program) -> Program:
     gm = prog.gm
     g = gm.graph
     _, out, loss, shards = parts(gm)
-    first = next(n for n in g.nodes if n.op != "placeholder")
-    with g.inserting_before(first):
+    with g.inserting_before(next(n for n in g.nodes if n.op != "placeholder")):
         sums = []
         for i, sh in enumerate(shards):
             ph = g.placeholder(f"shard_sum_{i}")

@@ -85,8 +85,7 @@ def _merge_reduce_scatters(g: fx.Graph, members: list[fx.Node], ranks: int) -> N
     ks = [emit.val(x).numel() // ranks for x in ins]
     total = sum(ks)
     v0 = emit.val(ins[0])
-    order = _order(g)
-    last_in = max(ins, key=order.__getitem__)
+    last_in = max(ins, key=_order(g).__getitem__)
     with g.inserting_before(last_in.next):
         grids = [emit.reshape(g, x, [ranks, k]) for x, k in zip(ins, ks)]
         cat = emit.node(g, aten.cat.default, (grids, 1), emit.fake([ranks, total], v0.dtype, v0.device))

@@ -144,8 +144,7 @@ def choose(sms, device: torch.device, backend: str = "nccl", schedule: bool = Tr
             return None
         raise ValueError(f"matmul_sm_carveout needs torch's experimental SM carveout and cuBLASLt, which torch "
                          f"{torch.__version__} does not have: leave it at None")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
+    props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
     total = props.multi_processor_count
     if auto:
         # measured on Hopper, whose persistent products hold every SM; a GPU of 2 x COMM_SMS SMs or

@@ -32,12 +32,11 @@ def apply(cap: Capture, gm, ctx: ShardContext) -> Program:
             buckets.append([i])
             size = nb
     reduced = list(cast_grads)
-    names = cap.grad_names
     for b in buckets:
         last = max((cast_grads[i] for i in b), key=order.__getitem__)
         with g.inserting_before(last.next):
             outs = emit.all_reduce_many(g, [cast_grads[i] for i in b], ctx.dp, ctx.group, op="avg",
-                                        params=[names[i] for i in b], stage=ctx.stage)
+                                        params=[cap.grad_names[i] for i in b], stage=ctx.stage)
         for i, o in zip(b, outs):
             reduced[i] = o
     set_outputs(gm, loss, reduced)

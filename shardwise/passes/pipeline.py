@@ -91,8 +91,7 @@ def _finish(prog: Program, ctx: ShardContext, mode: str, bucket_bytes, sweep_cap
     is the cost model's pick (``_schedule``), memory slack measured from ``ref_peak`` (default: the smallest cap's)."""
     starts = bucket.candidates(prog.gm)
     if bucket_bytes != 0 and starts:
-        limit = bucket_bytes or 2 * max(collective_of(s).full_bytes for s in starts)
-        prog.buckets = bucket.bucket(prog.gm, limit)
+        prog.buckets = bucket.bucket(prog.gm, bucket_bytes or 2 * max(collective_of(s).full_bytes for s in starts))
     starts = emit.collectives(prog.gm)
     if mode == "acc":
         prog = accumulate.into_inputs(prog)

@@ -189,8 +189,7 @@ def set_outputs(gm: fx.GraphModule, loss: fx.Node, grads: list[fx.Node]) -> None
 
 
 def input_dtypes(cap: Capture, gm: fx.GraphModule) -> dict[str, torch.dtype]:
-    phs = gm.graph.find_nodes(op="placeholder")
-    return {n: ph.meta["val"].dtype for n, ph in zip(cap.param_names, phs)}
+    return {n: ph.meta["val"].dtype for n, ph in zip(cap.param_names, gm.graph.find_nodes(op="placeholder"))}
 
 
 def finish(gm: fx.GraphModule) -> fx.GraphModule:

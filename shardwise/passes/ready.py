@@ -25,8 +25,7 @@ def insert(prog: Program, names: frozenset) -> int:
     for name, ph in zip(prog.capture.param_names, phs):
         if name not in names or not ph.users:
             continue
-        first = min(ph.users, key=pos.__getitem__)
-        with g.inserting_before(first):
+        with g.inserting_before(min(ph.users, key=pos.__getitem__)):
             w = g.call_function(emit.WAIT, (ph,))
         w.meta["val"] = ph.meta.get("val")
         w.meta["sw_ready"] = name

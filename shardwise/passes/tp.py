@@ -229,8 +229,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
 
 
 def _split_dim(n: fx.Node) -> int:
-    d = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-    return d % n.args[0].meta["val"].dim()
+    return (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % n.args[0].meta["val"].dim()
 
 
 def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None, reason=""):
@@ -274,8 +273,7 @@ def _gather(g, x, p, ranks, group, phase, stage=None, reason=""):
         k = p.groups
         split = [ranks, k, moved[0] // k, *moved[1:]]
         out = emit.node(g, aten.view.default, (out, split), emit.fake(split, v.dtype, v.device))
-        swapped = [k, ranks, *split[2:]]
-        out = emit.node(g, aten.transpose.int, (out, 0, 1), emit.fake(swapped, v.dtype, v.device))
+        out = emit.node(g, aten.transpose.int, (out, 0, 1), emit.fake([k, ranks, *split[2:]], v.dtype, v.device))
         out = emit.node(g, aten.reshape.default, (out, full), emit.fake(full, v.dtype, v.device))
     if d != 0:
         back = [perm.index(i) for i in range(len(perm))]
@@ -295,14 +293,12 @@ def _scatter(g, x, p, ranks, group, phase, stage=None, reason=""):
         k = p.groups
         split = [k, ranks, moved[0] // (k * ranks), *moved[1:]]
         y = emit.node(g, aten.reshape.default, (y, split), emit.fake(split, v.dtype, v.device))
-        swapped = [ranks, k, *split[2:]]
-        y = emit.node(g, aten.transpose.int, (y, 0, 1), emit.fake(swapped, v.dtype, v.device))
+        y = emit.node(g, aten.transpose.int, (y, 0, 1), emit.fake([ranks, k, *split[2:]], v.dtype, v.device))
         y = emit.node(g, aten.reshape.default, (y, moved), emit.fake(moved, v.dtype, v.device))
     else:
         y = emit.contiguous(g, y) if d == 0 else _contiguous(g, y)
     local = [moved[0] // ranks, *moved[1:]]
-    c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp",
-                        reason=reason)
+    c = emit.collective("reduce_scatter", math.prod(moved) * v.dtype.itemsize, ranks, phase, axis="tp", reason=reason)
     out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,
                               v.device, c, stage)
     if d != 0:
@@ -321,8 +317,7 @@ def _moved(out: fx.Node, x: fx.Node, dim, group: str, c) -> fx.Node:
 
 def _contiguous(g, x):
     """A permuted collective's result laid out in order again (views of it follow)."""
-    v = x.meta["val"]
-    return emit.node(g, aten.clone.default, (x,), v, memory_format=torch.contiguous_format)
+    return emit.node(g, aten.clone.default, (x,), x.meta["val"], memory_format=torch.contiguous_format)
 
 
 _PRODUCTS = (aten.mm.default, aten.bmm.default, *((aten._grouped_mm.default,) if hasattr(aten, "_grouped_mm") else ()))
@@ -432,8 +427,7 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
     # are then sliced where they meet the others': replicated KV heads where the tp ranks outnumber
     # them); a pair whose every column (or whose row product's input) does is left whole
     for _ in range(sum(len(cols) + 1 for cols in rows.values())):
-        seeds = {ph: plan.get(names[ph], Replicate()) for ph in names}
-        prop = propagate(gm, seeds, ranks)
+        prop = propagate(gm, {ph: plan.get(names[ph], Replicate()) for ph in names}, ranks)
         bad = {r.node for r in prop.collectives()
                if r.kind in ("all_gather", "reduce_scatter", "all_to_all") and r.node in fwd}
         hit = {c for b in bad for c in region.get(b, frozenset())}

@@ -107,12 +107,11 @@ def _nll_on_classes(g, n, reduce, phase, index_of):
 
 def _nll_backward_on_classes(g, n, index_of):
     grad, x, target, _, reduction, _, tw = n.args[:7]
-    xv = x.meta["val"]
     with g.inserting_before(n):
         hit = _hits(g, x, target, index_of)
         step = emit.node(g, aten.div.Tensor, (grad, tw), grad.meta["val"]) if reduction == 1 else grad
         neg = emit.node(g, aten.neg.default, (step,), grad.meta["val"])
-        out = emit.node(g, aten.where.ScalarOther, (hit, neg, 0.0), xv)
+        out = emit.node(g, aten.where.ScalarOther, (hit, neg, 0.0), x.meta["val"])
     return _swap(g, n, out)
 
 
@@ -135,9 +134,8 @@ def _log_softmax_on_classes(g, n, reduce, phase):
 def _log_softmax_backward_on_classes(g, n, reduce, phase):
     grad, out, d = n.args[0], n.args[1], n.args[2]
     v = grad.meta["val"]
-    row = [*v.shape[:-1], 1]
     with g.inserting_before(n):
-        s_l = emit.node(g, aten.sum.dim_IntList, (grad, [d], True), emit.fake(row, v.dtype, v.device))
+        s_l = emit.node(g, aten.sum.dim_IntList, (grad, [d], True), emit.fake([*v.shape[:-1], 1], v.dtype, v.device))
         s = reduce(s_l, "sum", phase, "row sum of the log-softmax gradient over class shards")
         p = emit.node(g, aten.exp.default, (out,), out.meta["val"])
         ps = emit.node(g, aten.mul.Tensor, (p, s), v)
@@ -159,8 +157,7 @@ def _mine(g, idx, rows: int, ranks: int, index_of, padding_idx: int = -1):
         keep = emit.node(g, aten.ne.Scalar, (idx, padding_idx), emit.fake(shape, torch.bool, dev))
         hit = emit.node(g, aten.logical_and.default, (hit, keep), emit.fake(shape, torch.bool, dev))
     safe = emit.node(g, aten.where.ScalarOther, (hit, local, 0), emit.fake(shape, iv.dtype, dev))
-    col = emit.node(g, aten.unsqueeze.default, (hit, -1), emit.fake(shape + [1], torch.bool, dev))
-    return col, safe
+    return emit.node(g, aten.unsqueeze.default, (hit, -1), emit.fake(shape + [1], torch.bool, dev)), safe
 
 
 def _lookup_on_rows(g, n, ranks, index_of):
@@ -180,8 +177,7 @@ def _lookup_backward_on_rows(g, n, ranks, index_of):
                          "would count only its own tokens; keep the embedding whole (vocab_parallel=False)")
     with g.inserting_before(n):
         col, safe = _mine(g, idx, rows, ranks, index_of, padding_idx)
-        gv = grad.meta["val"]
-        masked = emit.node(g, aten.where.ScalarOther, (col, grad, 0.0), gv)
+        masked = emit.node(g, aten.where.ScalarOther, (col, grad, 0.0), grad.meta["val"])
         # the whole row count: the partition's local sizes divide it by the ranks (a table cut by rows)
         out = emit.node(g, aten.embedding_dense_backward.default, (masked, safe, rows, -1, False), n.meta["val"])
     return _swap(g, n, out)

@@ -166,8 +166,7 @@ def _real(job, name: str, t: torch.Tensor) -> torch.Tensor:
     if job.strategy == "ddp":
         return t.reshape(lay.shape2)
     lo = job.mesh.rank("dp") * lay.rows
-    n = max(0, min(lay.rows, lay.shape2[0] - lo))
-    return t[:n]
+    return t[:max(0, min(lay.rows, lay.shape2[0] - lo))]
 
 
 def _dtensor(job, name: str, t: torch.Tensor) -> DTensor:

@@ -65,8 +65,7 @@ class Executor:
     def inputs(self, prog, tensors) -> list[torch.Tensor]:
         params = self.state.param_inputs(prog.param_input == "full", prog.input_dtypes)
         bufs = [self.buffers[n].detach() for n in prog.capture.buffer_names]
-        ranked = [self.rank_input(n, self.device) for n in prog.capture.rank_inputs]
-        return params + bufs + list(tensors) + ranked
+        return params + bufs + list(tensors) + [self.rank_input(n, self.device) for n in prog.capture.rank_inputs]
 
     def run(self, compiled: Compiled, batch, extra: list[torch.Tensor] = ()) -> list[torch.Tensor]:
         tensors, _, _ = flatten_batch(batch)

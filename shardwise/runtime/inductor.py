@@ -53,8 +53,7 @@ def _keep_order() -> dict:
     # reorder_for_locality moves each producer to just before its consumer: a weight gradient's
     # consumer is the graph's output, so every weight-gradient matmul went to the end of the step
     # and kept its inputs (an activation and its gradient, per layer) alive until then
-    want = {"reorder_for_compute_comm_overlap": False, "reorder_for_peak_memory": False,
-            "reorder_for_locality": False}
+    want = {"reorder_for_compute_comm_overlap": False, "reorder_for_peak_memory": False, "reorder_for_locality": False}
     return {k: v for k, v in want.items() if hasattr(ind_cfg, k)}
 
 

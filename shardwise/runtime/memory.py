@@ -37,8 +37,7 @@ def tracked_peak(fn: Callable[[], object], *external) -> tuple[object, int]:
     mt.track_external(*external)
     with mt:
         out = fn()
-    peak = mt.get_tracker_snapshot("peak")
-    return out, int(sum(d.get("Total", 0) for d in peak.values()))
+    return out, int(sum(d.get("Total", 0) for d in mt.get_tracker_snapshot("peak").values()))
 
 
 def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
@@ -86,8 +85,7 @@ def inductor_wrapper_peak(fn: Callable[[], object]) -> dict:
 
     def calls(frame, event, arg):
         code = frame.f_code
-        if (event == "call" and code.co_name == "call" and "args" in frame.f_locals
-                and where in code.co_filename):
+        if event == "call" and code.co_name == "call" and "args" in frame.f_locals and where in code.co_filename:
             inputs.clear()
             inputs.update((t.untyped_storage().data_ptr(), t.untyped_storage()) for t in tensors(frame.f_locals["args"]))
             return local

@@ -153,5 +153,4 @@ def mesh(dp: int | None = None, tp: int | None = None, ep: int | None = None,
     device = torch.device(device)
     sizes = {"dp": dp, "ep": ep or 1, "tp": tp or 1}
     names = tuple(a for a in AXES if a == "dp" or given[a] is not None)
-    dm = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names)
-    return Mesh(dm, device)
+    return Mesh(init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names), device)

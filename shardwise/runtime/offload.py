@@ -466,8 +466,7 @@ class StreamedOptimizer:
     def _carve(buf: torch.Tensor, off: int, like: torch.Tensor, a: int, b: int, shape) -> tuple[torch.Tensor, int]:
         """A ``like.dtype`` view of ``b - a`` elements of ``buf`` at byte ``off`` (16-byte aligned)."""
         nbytes = (b - a) * like.element_size()
-        t = buf[off:off + nbytes].view(like.dtype).view(shape)
-        return t, off + (nbytes + 15) // 16 * 16
+        return buf[off:off + nbytes].view(like.dtype).view(shape), off + (nbytes + 15) // 16 * 16
 
     @torch.no_grad()
     def step(self, grads: dict[str, torch.Tensor]) -> None:

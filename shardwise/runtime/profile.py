@@ -153,8 +153,7 @@ def gathers_held_back(comm: list[tuple[float, float, str]], comp: list[tuple[flo
 def exposed_comm(prof) -> dict[str, Any]:
     """Communication (s) and the part of it not overlapped with compute, from a profiler trace; on GPUs
     also the exposed seconds per collective kind and the five most exposed kernels (where in the step)."""
-    gpu = torch.autograd.DeviceType.CUDA
-    kernels = [e for e in prof.events() if e.device_type == gpu]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if kernels:
         nccl = [(e.time_range.start, e.time_range.end, nccl_kind(e.name)) for e in kernels if "nccl" in e.name.lower()]
         comm = merge([(a, b) for a, b, _ in nccl])

@@ -148,8 +148,7 @@ class ShardedState:
                     sq = _all_reduce(sq, grp)
                     sent += sent_bytes("all_reduce", sq.element_size(), n)
             total = sq.reshape(()).sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(gs, coef.to(gs[0].dtype))
+        torch._foreach_mul_(gs, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(gs[0].dtype))
         return total, sent
 
     @torch.no_grad()
@@ -313,8 +312,7 @@ class TensorParallel(ParallelAxes):
         d = self.dim(name)
         if d is None:
             return local
-        moved = local.movedim(d, 0).contiguous()
-        pieces = _all_gather(moved, self.ranks, self.group).movedim(0, d)
+        pieces = _all_gather(local.movedim(d, 0).contiguous(), self.ranks, self.group).movedim(0, d)
         return self.placements[name].whole(pieces, self.ranks)
 
     def sharded(self, name: str) -> bool:

@@ -117,9 +117,7 @@ class Watchdog:
 
     def _read(self, key: str, wait: bool = True):
         try:
-            if not wait and not self.store.check([key]):
-                return None
-            return self.store.get(key).decode()
+            return self.store.get(key).decode() if wait or self.store.check([key]) else None
         except Exception:  # noqa: BLE001
             return None
 

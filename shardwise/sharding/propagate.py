@@ -148,9 +148,7 @@ def _propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None
         if not move:
             return None
         need2, out2 = rule(n, lambda a: move.get(a, place(a)), ranks)
-        if any(a in need2 for a in move):
-            return None
-        return {**need2, **move}, out2
+        return None if any(a in need2 for a in move) else ({**need2, **move}, out2)
 
     for n in gm.graph.nodes:
         if n.op == "placeholder":

@@ -18,9 +18,7 @@ _ROWS = tuple(getattr(c10d, n).default for n in ("all_to_all_single", "all_gathe
 def rule(node, place, ranks):
     x = node.args[0]
     p = norm(place(x), val(x).dim())
-    if node.target in _ROWS and isinstance(p, Shard) and p.dim == 0:
-        return {x: R}, R
-    return {}, p
+    return ({x: R}, R) if node.target in _ROWS and isinstance(p, Shard) and p.dim == 0 else ({}, p)
 
 
 register(c10d.all_reduce.default, c10d.wait_tensor.default, *_ROWS, rule=rule)

@@ -62,9 +62,7 @@ def _placed(a_dims, b_dims, out_dims, node, pa, pb):
             cost_b = _bytes(b) + (_bytes(node) if out_b == Partial() else 0)
             if cost_a != cost_b:
                 return ({a: R}, out_a) if cost_a < cost_b else ({b: R}, out_b)
-        if out_a != Partial():
-            return {a: R}, out_a
-        return {b: R}, out_b
+        return ({a: R}, out_a) if out_a != Partial() else ({b: R}, out_b)
     letter, p = (la, pa) if la is not None else (lb, pb)
     need = {}
     if letter in contracted or letter in set(a_dims) & set(b_dims):  # both operands have it

@@ -93,9 +93,7 @@ def scan(node, place, ranks):
     another dim passes; its own dim sharded is needed whole."""
     x = node.args[0]
     p = place(x)
-    if isinstance(p, Shard) and p.dim == dim(node.args[1], val(x).dim()):
-        return {x: R}, R
-    return {}, p
+    return ({x: R}, R) if isinstance(p, Shard) and p.dim == dim(node.args[1], val(x).dim()) else ({}, p)
 
 
 def copy_into(node, place, ranks):
@@ -117,8 +115,7 @@ def layer_norm_backward(node, place, ranks):
     p, nd, k = place(grad), val(x).dim(), len(node.args[2])
     if isinstance(p, Shard) and p.dim < nd - k and place(x) == p:
         # the input's gradient keeps the token shard; the weight's and bias's sum over the tokens
-        need = {a: p for a in (node.args[3], node.args[4]) if place(a) != p}
-        return need, (p, Partial(), Partial())
+        return {a: p for a in (node.args[3], node.args[4]) if place(a) != p}, (p, Partial(), Partial())
     return {a: R for a in tensors(node)}, (R, R, R)
 
 

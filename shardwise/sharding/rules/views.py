@@ -224,8 +224,7 @@ def index_put(node, place, ranks):
 def cat(node, place, ranks):
     xs = [a for a in node.args[0] if val(a) is not None and val(a).numel()]
     ps = {place(a) for a in xs}
-    nd = val(node).dim()
-    d = dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    d = dim(node.args[1] if len(node.args) > 1 else 0, val(node).dim())
     if len(ps) == 1:
         (p,) = ps
         if not (isinstance(p, Shard) and p.dim == d):
