@@ -360,6 +360,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tensor parallelism")
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=None, help="Megatron-Core's MoE folding: the experts cut over etp ranks "
+                   "(1: whole) and spread over ep x etp of a stage's tp x cp x dp ranks (default: cut over tp, ep in dp)")
+    p.add_argument("--ep-overlap", action="store_true", help="each MoE all-to-all under another micro-batch's compute")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each sequence cut over this many ranks (ring attention)")
     p.add_argument("--capacity", type=float, default=1.0, help="MoE expert capacity factor: experts compute on this "
@@ -474,11 +477,11 @@ def plan_main(args) -> None:
     print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}"
           + (f" sharded over groups of {st.shard}" if st.shard else "") + f", micro-batch {st.micro_batch} x "
           f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}"
-          + (f", ep={st.ep}" if st.ep > 1 else "") + (f", cp={st.cp}" if st.cp > 1 else "")
+          + (f", ep={st.ep}" if st.ep > 1 else "") + (f" etp={st.etp}" if st.etp else "") + (f", cp={st.cp}" if st.cp > 1 else "")
           + (f", expert capacity {st.capacity:g}" if st.capacity != 1 else ""))
     tp = ms(e.tp_exposed_s) + (f" (of {ms(e.tp_comm_s)})" if e.tp_exposed_s < e.tp_comm_s else "")
     print(f"step {e.step_s:.3f} s = compute {ms(e.compute_s)} + exposed tensor-parallel comm {tp} + "
-          + (f"expert all-to-all {ms(e.ep_comm_s)} + " if st.ep > 1 else "")
+          + (f"expert all-to-all {ms(e.ep_exposed_s)} (of {ms(e.ep_comm_s)}) + " if st.ep > 1 else "")
           + (f"exposed context-parallel comm {ms(e.cp_exposed_s)} (of {ms(e.cp_comm_s)}) + " if st.cp > 1 else "") +
           f"pipeline bubble {ms(e.pp_bubble_s)} + exposed data-parallel comm {ms(e.dp_exposed_s)} "
           f"(of {ms(e.dp_comm_s)}) + optimizer {ms(e.optimizer_s)}")

@@ -55,6 +55,11 @@ FRAMEWORKS = (None, "fsdp2")
 FP8_RECIPES = (None, "te", "torchao")
 DISPATCHES, ROUTINGS = ("alltoall", "deepep"), ("balanced", "contiguous")
 DP_EXPOSED = 0.1
+SHUFFLE_BYTES = {False: 6, True: 14}
+"""Bytes per unit of width one routed copy of a token moves in an MoE layer's forward beside its experts' products: gathered
+into expert order (read and write, 2 bytes each) and read back to be weighted and summed into its token (6); where an
+all-to-all dispatcher delivers the copies by source rank, they are also sorted by local expert after the dispatch and
+back before the combine (8 more). The backward moves twice the forward, a rerun forward once more."""
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 
 
@@ -84,6 +89,13 @@ class Strategy:
     ep: int = 1
     """Expert parallelism (MoE): each expert lives on one of ``ep`` data-parallel ranks; tokens reach
     it by an all-to-all, there and back."""
+    etp: int | None = None
+    """Megatron-Core's MoE parallel folding: the experts cut over ``etp`` ranks (1: whole, and the MoE layers without
+    tensor-parallel collectives; or tp) and spread over ep x etp of a stage's tp x cp x dp ranks, in Megatron-Core's
+    rank order. None: cut over tp as the other layers, ep inside dp."""
+    ep_overlap: bool = False
+    """Each MoE all-to-all under another micro-batch's compute (Megatron-Core's ``--overlap-moe-expert-parallel-comm``:
+    one micro-batch's forward run with another's backward); exposed, what that compute does not cover."""
     efficiency: float | None = None
     """Achieved fraction of peak FLOP/s of the compute; None: the accelerator's fitted curve of the
     per-GPU matrix width (costmodel.Device.efficiency)."""
@@ -187,6 +199,7 @@ class Estimate:
     """Each term as its formula with the numbers put in (``shardwise plan --explain``)."""
     cp_comm_s: float = 0.0
     cp_exposed_s: float = 0.0
+    ep_exposed_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -206,11 +219,18 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         raise ValueError(f"{model.layers} layers cannot fill pp x virtual = {st.pp * st.virtual} stages")
     dp = gpus // (st.tp * st.pp * st.cp)
     sdp = dp * st.cp  # the ranks that hold the same parameters: their gradients are reduced together
-    if st.shard is not None and (dp % st.shard or (st.ep > 1 and (dp // st.ep) % min(st.shard, dp // st.ep))):
+    etp = st.tp if st.etp is None else st.etp  # the experts' tensor-parallel cut
+    if st.etp is not None and (etp not in (1, st.tp) or st.rank_order != "tp-ep-dp-pp"):
+        raise ValueError(f"etp={etp}: the experts whole (1) or cut as the layers (tp={st.tp}), in Megatron-Core's "
+                         f"rank order (rank_order tp-ep-dp-pp; got {st.rank_order})")
+    if st.ep > 1 and (model.experts % st.ep or (st.tp * sdp % (st.ep * etp) if st.etp else dp % st.ep)):
+        raise ValueError(f"ep={st.ep} must divide the model's {model.experts} experts and " + (
+            f"the data-parallel size {dp}" if st.etp is None else f"ep x etp = {st.ep * etp} a stage's tp x cp x dp = "
+            f"{st.tp * sdp} ranks"))
+    edp = st.tp * sdp // (st.ep * etp)  # the ranks that hold the same experts
+    if st.shard is not None and (dp % st.shard or (st.ep > 1 and edp % min(st.shard, edp))):
         raise ValueError(f"shard={st.shard} must divide the data-parallel size {dp}"
-                         + (f" and its expert groups of {dp // st.ep}" if st.ep > 1 else ""))
-    if st.ep > 1 and (model.experts % st.ep or dp % st.ep):
-        raise ValueError(f"ep={st.ep} must divide the model's {model.experts} experts and the data-parallel size {dp}")
+                         + (f" and its expert groups of {edp}" if st.ep > 1 else ""))
     seq = st.seq or model.seq
     if seq % st.cp:
         raise ValueError(f"cp={st.cp} does not divide the sequence of {seq} tokens")
@@ -280,6 +300,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         k, kv = (model.top_k * st.capacity if model.experts > 1 else 1.0), model.kv_heads * model.head_dim
         cut = 2 * model.q_dim + 2 * kv + k * model.expert_params() / h  # split over tp (an expert's 2 or 3 x ffn)
         ew_bytes += FP8_CAST_BYTES * ((2 + 2 * k) * h + cut / st.tp)
+    if model.experts > 1:  # an MoE layer's token shuffles (SHUFFLE_BYTES), where an all-to-all sorts them too
+        sorts = st.dispatch == "alltoall" and 1 < st.ep < model.experts
+        shuffles = SHUFFLE_BYTES[sorts] * model.top_k * h * (1 - model.dense_layers / L)
+        ew_bytes += (3 + layer_rerun) * shuffles / (st.tp if etp == 1 and st.sp else 1)
     elementwise = tokens / sdp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
     compute = matmul + elementwise
 
@@ -292,14 +316,16 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     layers_here = -(-L // st.pp)  # the fullest stage sets the pace when layers do not split evenly
     act_bytes = 2.0 * b * lseq * h
     one = cluster.collective_s("all_reduce", act_bytes, st.tp)
-    tp_comm = per_layer * layers_here * m * one
+    # folded whole experts (etp 1): an MoE layer's tokens stay sequence-parallel, only its attention's collectives
+    moe_here = layers_here * (L - model.dense_layers) / L if etp == 1 and model.experts > 1 else 0.0
+    tp_comm = per_layer * (layers_here - moe_here / 2) * m * one
 
     # expert parallel: per MoE layer and micro-batch, an all-to-all to the experts and one back, in the
     # forward and in the backward (and the forward's again under full or block recomputation)
     ep_comm = 0.0
     if st.ep > 1:
         a2a_per_layer = 6 if layer_rerun else 4
-        ep_apart = (st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp) * st.cp
+        ep_apart = etp if st.etp else (st.tp if st.rank_order == "tp-ep-dp-pp" else st.tp * st.pp) * st.cp
         ep_comm = a2a_per_layer * layers_here * m * _dispatch_s(model, cluster, st, 2.0 * b * lseq * h / (
             st.tp if st.sp else 1), ep_apart)
 
@@ -327,12 +353,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # ranks that hold it, the rest over all dp ranks
     expert = (model.layers - model.dense_layers) * model.experts * model.expert_params() if model.experts > 1 else 0
     dense_params = (model.params() - expert) / (st.tp * st.pp)
-    expert_params = expert / (st.tp * st.pp * st.ep)
+    expert_params = expert / (etp * st.pp * st.ep)
     shard_params = dense_params + expert_params
     gbytes = 4.0 if st.reduce_fp32 else 2.0  # per gradient element
     grad_bytes = gbytes * shard_params
     inner = st.tp * st.pp if st.rank_order == "tp-pp-dp" else st.tp  # how far apart a dp group's ranks are
-    groups = [(dense_params, sdp, inner), (expert_params, sdp // st.ep, inner * st.ep)]
+    egroup = (edp, (etp if st.etp else inner) * st.ep)  # an expert's dp group: its size and how far apart
+    groups = [(dense_params, sdp, inner), (expert_params, *egroup)]
 
     group = lambda n: n if st.shard is None else min(st.shard, n)  # noqa: E731 - a dp axis of n ranks' sharding group
 
@@ -368,12 +395,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         1.0 if st.zero == 3 and st.pp == 1 else (0.75 if layer_rerun else 2 / 3))
     floor = DP_EXPOSED if st.dp_exposed is None else st.dp_exposed
     dp_exposed = max(floor * (dp_comm - late), dp_comm - late - window) + late
-    stalls = tp_share * tp_comm + ep_comm + cp_exposed  # the compute lane's own waits, inside its layers
+    ep_exposed = max(DP_EXPOSED * ep_comm, ep_comm - compute) if st.ep_overlap else ep_comm
+    stalls = tp_share * tp_comm + ep_exposed + cp_exposed  # the compute lane's own waits, inside its layers
     dp_formula = ""
     g = lambda x: f"{x:.4g}"  # noqa: E731
     if st.zero == 3 and st.pp == 1:  # per layer and micro-batch on the two-lane simulation
         costs = _layer_costs(model, cluster, st, compute / m, stalls / m, (fpt + extra + pad), dense_params,
-                             expert_params, gbytes, group, sdp, inner, None if late else across)
+                             expert_params, gbytes, group, sdp, inner, None if late else across, egroup)
         _, waited, dp_comm = zero3_step(costs, m)
         dp_exposed = max(waited, (st.dp_exposed or 0.0) * dp_comm) + late
         dp_comm += late
@@ -389,7 +417,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # optimizer: a fused AdamW over the fp32 master of the parameters held (costmodel/optimizer.py:
     # read master, gradient and two moments, write three: 28 bytes a parameter)
     z = lambda stage, n: group(n) if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
-    opt_params = dense_params / z(1, sdp) + expert_params / z(1, sdp // st.ep)
+    opt_params = dense_params / z(1, sdp) + expert_params / z(1, edp)
     optimizer = update_time(4.0 * opt_params, acc.hbm_bw * acc.mem_eff, kernel="foreach" if st.foreach else "fused")
 
     step = compute + stalls + bubble + dp_exposed + optimizer
@@ -407,7 +435,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     logit_bytes = 12.0 if st.eager and st.stack != "megatron" else 4.0
     logits = logit_bytes * lseq * b * model.vocab / st.tp if st.pp == 1 else 0.0
     activations += logits
-    held = lambda stage: dense_params / z(stage, sdp) + expert_params / z(stage, sdp // st.ep)  # noqa: E731
+    held = lambda stage: dense_params / z(stage, sdp) + expert_params / z(stage, edp)  # noqa: E731
     if st.stack == "megatron":  # every part held all through the step
         weights, grads, optim = 2.0 * held(3), gbytes * held(2), 12.0 * opt_params
         total = weights + grads + optim + activations
@@ -419,7 +447,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         # head, gathered to the backward, as FSDP2 holds its root's) and two layers' (one prefetched),
         # then in the backward a layer's whole gradient in 16 bits and in fp32 for its reduction
         experts = expert / (model.layers - model.dense_layers)
-        layer = (model.layer_params() - experts) / st.tp + experts / (st.tp * st.ep)
+        layer = (model.layer_params() - experts) / st.tp + experts / (etp * st.ep)
         root = (model.embedding_params() + model.head_params()) / st.tp
         whole = dense_params + expert_params
         copies = 2.0 * (whole if st.zero < 3 else root + 2 * layer)
@@ -444,10 +472,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"elementwise = tokens/dp · L/pp · {g(ew_bytes)} B/token/layer"
         + (f" (eager: its norms and rotary embedding unfused, +{EAGER_BYTES:g}·d a forward)"
            if st.eager and not model.learned_positions else "")
+        + (f" (with the MoE layers' token shuffles, {SHUFFLE_BYTES[sorts]}·k·d a forward)" if model.experts > 1 else "")
         + f" / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
         f"= {g(elementwise)} s" + (f"; FSDP2's copy-in and copy-out kernels {g(framework)} s" if framework else "")
         + f"; compute = {g(compute)} s",
-        f"tensor parallel = {per_layer:g} collectives x {layers_here} layers x {m} micro-batches x t(all-reduce of "
+        f"tensor parallel = {per_layer:g} collectives x {layers_here} layers"
+        + (f" (the attention's half alone in {moe_here:g} MoE layers of whole experts)" if moe_here else "")
+        + f" x {m} micro-batches x t(all-reduce of "
         f"2·b·s·d = {g(act_bytes)} B over {st.tp}) {g(one)} s = {g(tp_comm)} s, exposed {tp_share:.0%}",
         f"bubble = (pp-1)·flushes/(m·v)·compute + the exposed exchanges with the next stage, max("
         f"{tp_share:.0%}·2·m·v, 2·(pp-1)·flushes) x {g(p2p_one)} s = ({st.pp}-1)·{st.flushes}/({m}·"
@@ -478,12 +509,15 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if st.ep > 1:
         formulas.insert(4, f"expert parallel = {a2a_per_layer} all-to-alls x {layers_here} layers x {m} micro-batches "
                            f"over {st.ep} ranks ({st.dispatch}" + (f", {st.routing} routing" if st.dispatch == "deepep"
-                                                                   else "") + f") = {g(ep_comm)} s")
+                                                                   else "") + f") = {g(ep_comm)} s"
+                           + (f", exposed under the other micro-batches' compute {g(ep_exposed)} s" if st.ep_overlap
+                              else ""))
     return Estimate(gpus=gpus, dp=dp, micro_batches=m, step_s=step, compute_s=compute, tp_comm_s=tp_comm,
                     tp_exposed_s=tp_share * tp_comm, ep_comm_s=ep_comm, pp_bubble_s=bubble, dp_comm_s=dp_comm,
                     dp_exposed_s=dp_exposed, optimizer_s=optimizer, tokens_per_s=tps, tokens_per_s_per_gpu=tps / gpus,
                     mfu=model.flops_per_token(seq) * tps / (gpus * acc.peak_flops), memory=mem,
-                    fits=total <= acc.hbm_bytes, formulas=formulas, cp_comm_s=cp_comm, cp_exposed_s=cp_exposed)
+                    fits=total <= acc.hbm_bytes, formulas=formulas, cp_comm_s=cp_comm, cp_exposed_s=cp_exposed,
+                    ep_exposed_s=ep_exposed)
 
 
 def _dispatch_s(model: ModelSpec, cluster: ClusterSpec, st: Strategy, tokens: float, apart: int) -> float:
@@ -502,11 +536,13 @@ def _dispatch_s(model: ModelSpec, cluster: ClusterSpec, st: Strategy, tokens: fl
 
 
 def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: float, stall_s: float, flops: float,
-                 dense: float, expert: float, gbytes: float, group, sdp: int, inner: int, across) -> LayerCosts:
+                 dense: float, expert: float, gbytes: float, group, sdp: int, inner: int, across,
+                 ep_group: tuple) -> LayerCosts:
     """One micro-batch's pieces for timeline.zero3_step: its compute (``mb_s``; ``flops`` per token,
     recomputation included) split into the head's share and the layers', each layer's forward a third
     of its own products; each layer's collectives over the groups that hold its parts, with the
-    all-reduce across the sharding groups (``across``; None where it runs after the backward)."""
+    all-reduce across the sharding groups (``across``; None where it runs after the backward); the experts' over
+    ``ep_group`` (its size and stride)."""
     L, h = model.layers, model.hidden
     head_flops = 6.0 * model.vocab * h
     head_s = mb_s * head_flops / flops
@@ -522,7 +558,6 @@ def _layer_costs(model: ModelSpec, cluster: ClusterSpec, st: Strategy, mb_s: flo
         rs = cluster.collective_s("reduce_scatter", gbytes * params, s, stride) if params else 0.0
         return rs + (across(params, n, stride) if across is not None else 0.0)
 
-    ep_group = (sdp // st.ep, inner * st.ep)
     return LayerCosts(L, fwd, layer_s - fwd, head_s,
                       gather((dense - root) / L, sdp, inner) + gather(expert / L, *ep_group),
                       scatter((dense - root) / L, sdp, inner) + scatter(expert / L, *ep_group),

@@ -3,8 +3,9 @@ estimate (estimate.py), and what would make a job fit where none does.
 
 The space: tp inside a node (powers of two), pipeline stages (divisors of the layers and powers of two) with 1-20
 interleaved stages splitting the layers evenly or with the embedding and the loss as a layer each (Megatron-Core: Llama
-3 405B's 126 layers over pp 8 x v 8), ZeRO 0-3, hybrid sharding over a node, ep, micro-batches of 1-8, every recompute
-policy, sp with tp; the base strategy's other fields kept. Layouts that do not fit are dropped, the rest by step."""
+3 405B's 126 layers over pp 8 x v 8), ZeRO 0-3, hybrid sharding over a node, ep (with --etp 1 over a stage's tp x cp x
+dp ranks), micro-batches of 1-8, every recompute policy, sp with tp; the base strategy's other fields kept. Layouts that
+do not fit are dropped, the rest by step."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def _rest(m, c, base, gpus, tp, pp, cp, gb, only):
     if gb % dp:
         return
     per_rank = gb // dp
-    eps = only("ep", [e for e in _divisors(dp, m.experts) if m.experts % e == 0] if m.experts > 1 else [1])
+    ranks = dp * (tp * cp if base.etp == 1 else 1)  # --etp 1: whole experts folded over a stage's tp x cp x dp ranks
+    eps = only("ep", [e for e in _divisors(ranks, m.experts) if m.experts % e == 0] if m.experts > 1 else [1])
     virtuals = [v for v in only("virtual", VIRTUAL if pp > 1 else (1,))
                 if m.layers >= pp * v and (v == 1 or m.layers % (pp * v) == 0 or (m.layers + 2) % (pp * v) == 0)]
     mbs = [mb for mb in only("micro_batch", MICRO_BATCHES) if per_rank % mb == 0]
@@ -74,8 +76,9 @@ def _rest(m, c, base, gpus, tp, pp, cp, gb, only):
 
 def runs_on_shardwise(st: Strategy) -> str | None:
     """The ``shardwise train`` flags that run ``st`` today, or None where it needs what shardwise does
-    not build yet (pipelines, hybrid sharding, context parallelism, FP8, recomputation other than none)."""
-    if st.pp > 1 or st.shard is not None or st.recompute != "none" or st.cp > 1 or st.fp8:
+    not build yet (pipelines, hybrid sharding, context parallelism, FP8, recomputation other than none, experts folded
+    over tp)."""
+    if st.pp > 1 or st.shard is not None or st.recompute != "none" or st.cp > 1 or st.fp8 or st.tp > (st.etp or st.tp):
         return None
     flags = [f"--strategy {'ddp' if st.zero == 0 else f'zero{st.zero}'}"]
     if st.tp > 1:
@@ -127,4 +130,5 @@ def describe(st: Strategy) -> str:
     return (f"tp={st.tp}{' sp' if st.sp and st.tp > 1 else ''} pp={st.pp}"
             + (f" v={st.virtual}" if st.virtual > 1 else "") + f" zero{st.zero}"
             + (f" shard={st.shard}" if st.shard else "") + (f" ep={st.ep}" if st.ep > 1 else "")
-            + (f" cp={st.cp}" if st.cp > 1 else "") + f" mb={st.micro_batch} recompute={st.recompute}")
+            + (f" etp={st.etp}" if st.etp and st.ep > 1 else "") + (f" cp={st.cp}" if st.cp > 1 else "")
+            + f" mb={st.micro_batch} recompute={st.recompute}")

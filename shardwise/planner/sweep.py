@@ -33,7 +33,7 @@ def run(key: str, values: list, m: ModelSpec, cluster_spec: str, st: Strategy, f
             e = estimate(mm, cluster(cc, fabric), ss)
             rows.append({key: v, "step_s": e.step_s, "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu,
                          "memory_gb": e.memory["total"] / 1e9, "fits": e.fits, "compute_s": e.compute_s,
-                         "comm_s": e.tp_exposed_s + e.ep_comm_s + e.dp_exposed_s, "bubble_s": e.pp_bubble_s})
+                         "comm_s": e.tp_exposed_s + e.ep_exposed_s + e.dp_exposed_s, "bubble_s": e.pp_bubble_s})
         except ValueError as err:
             rows.append({key: v, "error": str(err)})
     return rows
