@@ -180,8 +180,9 @@ def test_hf_experts_cut_over_tp_within_each_expert(pools, kind):
     """Hugging Face's experts on tp=2 (fp64, no ep): the plan found from the graph follows each expert's matrix back
     to its 3-dim parameter (a select of it in the loop and in the grouped products' traced path), cuts gate_up in its
     gate and up halves (each rank holds its rows of both) and down by its input dim, and the masked rows' partial
-    sums add up over the experts: one all-reduce a layer for the experts in the forward, beside the attention's. The
-    same training as one device (to the fp32 rounding of HF's loss)."""
+    sums add up over the experts: one all-reduce a layer for the experts each way, beside the attention's (in the
+    backward each expert's input gradient stays partial through its mask into the sum over the experts). The same
+    training as one device (to the fp32 rounding of HF's loss)."""
     import transformers
 
     if not hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
@@ -194,13 +195,13 @@ def test_hf_experts_cut_over_tp_within_each_expert(pools, kind):
     assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (e, two_f // 2, h), shapes
     assert shapes["model.layers.0.mlp.experts.down_proj"] == (e, h, two_f // 4), shapes
     # 2 layers, each the attention's and the experts'; 4: the vocab-parallel embedding's and head's (as HF Llama's)
-    assert counts[("all_reduce", "fwd")] == 2 * 2 + 4, counts
+    assert counts[("all_reduce", "fwd")] == 2 * 2 + 4 and counts[("all_reduce", "bwd")] == 6, counts
 
 
 def test_hf_experts_on_torchs_grouped_kernel_cut_over_tp(pools):
     """In bf16 HF Mixtral's experts run torch's grouped product itself (``aten._grouped_mm``, its CPU kernel here):
     on tp=2 the plan cuts them within each expert through it (sharding/rules/matmul.py ``grouped_mm``), one forward
-    and one backward reduction a layer for the experts (the traced fp32 path's backward has one per expert). bf16
+    and one backward reduction a layer for the experts (as the traced fp32 path has). bf16
     through AdamW moves the smallest weights apart by rounding (tp with the experts whole does alike), so the losses
     are what is compared: within 5e-4 of one rank's over 3 steps (measured 1.6e-4)."""
     import transformers

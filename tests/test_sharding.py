@@ -160,6 +160,28 @@ def test_hugging_face_experts_ops_follow_their_rules():
     assert placed(Shard(0), R) == (R, R)  # a cut of the indexed dim: whole
 
 
+def test_a_partial_passes_a_product_whose_one_reader_is_a_sum():
+    """Each expert's input gradient arrives partial (its rows of a cut weight), is masked to the expert's rows (a
+    product with a whole column) and added over the experts: the partial passes each masking product into the sum, so
+    the sum takes one reduction for all the experts instead of one each. A product read by anything but one sum (a
+    norm's backward) still takes the sum first, as before."""
+    R, P = Replicate(), Partial()
+    g = torch.fx.Graph()
+    ga, gb, ma, mb = (g.placeholder(n) for n in ("ga", "gb", "ma", "mb"))
+    for n, shape in ((ga, (6, 4)), (gb, (6, 4)), (ma, (6, 1)), (mb, (6, 1))):
+        n.meta["val"] = torch.empty(shape)
+    a, b = g.call_function(aten.mul.Tensor, (ga, ma)), g.call_function(aten.mul.Tensor, (gb, mb))
+    total = g.call_function(aten.add.Tensor, (a, b))
+    scaled = g.call_function(aten.mul.Tensor, (total, ma))  # read by the output and by the next product: not one sum
+    twice = g.call_function(aten.mul.Tensor, (scaled, ma))
+    for n in (a, b, total, scaled, twice):
+        n.meta["val"] = torch.empty(6, 4)
+    g.output([scaled, twice])
+    plan = propagate(torch.fx.GraphModule(torch.nn.Module(), g), {ga: P, gb: P, ma: R, mb: R}, 2)
+    assert [plan.placements[n] for n in (a, b, total, scaled)] == [P, P, P, R]
+    assert [(c.kind, c.arg) for c in plan.collectives()] == [("all_reduce", total)]
+
+
 def test_an_op_without_a_rule_is_an_error_naming_it():
     g = torch.fx.Graph()
     x = g.placeholder("x")

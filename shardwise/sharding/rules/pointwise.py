@@ -7,7 +7,9 @@ copies; anything else needs the sum taken first: where another operand is sharde
 reduce-scatter, as sequence parallelism has after each row-parallel product), else whole (an all-reduce). A smaller
 whole term added to a partial (a bias) is added on one rank only, and the sum stays partial. Products with replicated
 factors are linear too, but taking the sum before them is what keeps it to one: a gradient that reaches a norm's
-backward as partial sums would leave the norm's weight gradient partial as well (two reductions, not one)."""
+backward as partial sums would leave the norm's weight gradient partial as well (two reductions, not one). A product
+whose one reader is a sum is the exception: the pending sum passes through it (an expert's input gradient masked to its
+rows, then added over the experts), and the sum of the terms takes one reduction for all of them."""
 
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ def pointwise_rule(node: fx.Node, place, ranks: int):
         others = [a for a in ins if a not in partial]
         # a sum of partials is partial (x + y with x partial and y replicated is not: y would be added once per rank)
         if node.target in _SUMS and not others or node.target in _COPIES:
+            return {}, Partial()
+        if node.target == aten.mul.Tensor and len(partial) == 1 and all(place(a) == R for a in others) \
+                and len(node.users) == 1 and next(iter(node.users)).target in _SUMS:
             return {}, Partial()
         if node.target in _SUMS and all(place(a) == R and val(a).numel() < out.numel() for a in others) \
                 and all(val(a).shape == out.shape for a in partial):
