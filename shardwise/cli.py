@@ -361,7 +361,7 @@ def _plan_parser(sub) -> None:
     p.add_argument("--virtual", type=int, default=1, help="interleaved pipeline stages per GPU")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
     p.add_argument("--etp", type=int, default=None, help="Megatron-Core's MoE folding: the experts cut over etp ranks "
-                   "(1: whole) and spread over ep x etp of a stage's tp x cp x dp ranks (default: cut over tp, ep in dp)")
+                   "(1: whole) and spread over ep x etp of a stage's tp x cp x dp ranks (default: cut as tp, ep in dp)")
     p.add_argument("--ep-overlap", action="store_true", help="each MoE all-to-all under another micro-batch's compute")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each sequence cut over this many ranks (ring attention)")
@@ -477,7 +477,8 @@ def plan_main(args) -> None:
     print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}"
           + (f" sharded over groups of {st.shard}" if st.shard else "") + f", micro-batch {st.micro_batch} x "
           f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}"
-          + (f", ep={st.ep}" if st.ep > 1 else "") + (f" etp={st.etp}" if st.etp else "") + (f", cp={st.cp}" if st.cp > 1 else "")
+          + (f", ep={st.ep}" if st.ep > 1 else "") + (f" etp={st.etp}" if st.etp else "")
+          + (f", cp={st.cp}" if st.cp > 1 else "")
           + (f", expert capacity {st.capacity:g}" if st.capacity != 1 else ""))
     tp = ms(e.tp_exposed_s) + (f" (of {ms(e.tp_comm_s)})" if e.tp_exposed_s < e.tp_comm_s else "")
     print(f"step {e.step_s:.3f} s = compute {ms(e.compute_s)} + exposed tensor-parallel comm {tp} + "

@@ -55,12 +55,12 @@ FRAMEWORKS = (None, "fsdp2")
 FP8_RECIPES = (None, "te", "torchao")
 DISPATCHES, ROUTINGS = ("alltoall", "deepep"), ("balanced", "contiguous")
 DP_EXPOSED = 0.1
-SHUFFLE_BYTES = {False: 6, True: 14}
-"""Bytes per unit of width one routed copy of a token moves in an MoE layer's forward beside its experts' products: gathered
-into expert order (read and write, 2 bytes each) and read back to be weighted and summed into its token (6); where an
-all-to-all dispatcher delivers the copies by source rank, they are also sorted by local expert after the dispatch and
-back before the combine (8 more). The backward moves twice the forward, a rerun forward once more."""
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
+SHUFFLE_BYTES = {False: 6, True: 14}
+"""Bytes per unit of width one routed copy of a token moves in an MoE layer's forward beside its experts' products:
+gathered into expert order (read and write, 2 bytes each) and read back to be weighted and summed into its token (6);
+where an all-to-all dispatcher delivers the copies by source rank, they are also sorted by local expert after the
+dispatch and back before the combine (8 more). The backward moves twice the forward, a rerun forward once more."""
 
 
 @dataclass(frozen=True)
