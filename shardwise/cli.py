@@ -477,7 +477,7 @@ def plan_main(args) -> None:
     print(f"strategy: tp={st.tp} pp={st.pp} dp={e.dp} zero{st.zero}"
           + (f" sharded over groups of {st.shard}" if st.shard else "") + f", micro-batch {st.micro_batch} x "
           f"{e.micro_batches} per step, recompute {st.recompute}{', sp' if st.sp and st.tp > 1 else ''}"
-          + (f", ep={st.ep}" if st.ep > 1 else "") + (f" etp={st.etp}" if st.etp else "")
+          + (f", ep={st.ep}" if st.ep > 1 else "") + (f" etp={st.etp}" if st.etp and m.experts > 1 else "")
           + (f", cp={st.cp}" if st.cp > 1 else "")
           + (f", expert capacity {st.capacity:g}" if st.capacity != 1 else ""))
     tp = ms(e.tp_exposed_s) + (f" (of {ms(e.tp_comm_s)})" if e.tp_exposed_s < e.tp_comm_s else "")

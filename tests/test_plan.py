@@ -1098,9 +1098,9 @@ def test_megatron_cores_moe_folding_spreads_whole_experts_over_tp_and_dp(capsys)
     overlap = estimate(q, c, Strategy(**base, ep=32, etp=1, ep_overlap=True))
     assert overlap.ep_exposed_s == pytest.approx(max(0.1 * overlap.ep_comm_s, overlap.ep_comm_s - overlap.compute_s))
     assert overlap.step_s == pytest.approx(folded.step_s - folded.ep_comm_s + overlap.ep_exposed_s, rel=1e-9)
-    for bad, msg in ((dict(ep=32, etp=4), "etp=4: the experts whole .1. or cut as the layers .tp=2."),
-                     (dict(ep=32, etp=1, rank_order="tp-pp-dp"), "in Megatron-Core's rank order"),
-                     (dict(ep=64, etp=1), "ep x etp = 64 a stage's tp x cp x dp = 32 ranks")):
+    for bad, msg in ((dict(ep=32, etp=4), "etp=4: give 1 .each expert whole. or the tp size 2"),
+                     (dict(ep=32, etp=1, rank_order="tp-pp-dp"), "rank_order tp-ep-dp-pp; got tp-pp-dp"),
+                     (dict(ep=64, etp=1), "and ep x etp = 64 the 32 ranks of a stage .tp x cp x dp.")):
         with pytest.raises(ValueError, match=msg):
             estimate(q, c, Strategy(**{**base, **bad}))
     main(["plan", "--model", "mixtral-8x7b", "--cluster", "dgx-h100:2", "--tp", "2", "--ep", "8", "--etp", "1",

@@ -221,12 +221,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     sdp = dp * st.cp  # the ranks that hold the same parameters: their gradients are reduced together
     etp = st.tp if st.etp is None else st.etp  # the experts' tensor-parallel cut
     if st.etp is not None and (etp not in (1, st.tp) or st.rank_order != "tp-ep-dp-pp"):
-        raise ValueError(f"etp={etp}: the experts whole (1) or cut as the layers (tp={st.tp}), in Megatron-Core's "
-                         f"rank order (rank_order tp-ep-dp-pp; got {st.rank_order})")
+        raise ValueError(f"etp={etp}: give 1 (each expert whole) or the tp size {st.tp}, with Megatron-Core's rank "
+                         f"order, where its MoE folding lives (rank_order tp-ep-dp-pp; got {st.rank_order})")
     if st.ep > 1 and (model.experts % st.ep or (st.tp * sdp % (st.ep * etp) if st.etp else dp % st.ep)):
         raise ValueError(f"ep={st.ep} must divide the model's {model.experts} experts and " + (
-            f"the data-parallel size {dp}" if st.etp is None else f"ep x etp = {st.ep * etp} a stage's tp x cp x dp = "
-            f"{st.tp * sdp} ranks"))
+            f"the data-parallel size {dp}" if st.etp is None else f"ep x etp = {st.ep * etp} the {st.tp * sdp} ranks "
+            "of a stage (tp x cp x dp)"))
     edp = st.tp * sdp // (st.ep * etp)  # the ranks that hold the same experts
     if st.shard is not None and (dp % st.shard or (st.ep > 1 and edp % min(st.shard, edp))):
         raise ValueError(f"shard={st.shard} must divide the data-parallel size {dp}"
