@@ -185,9 +185,11 @@ def test_predictions_hold_the_published_runs_within_10pct():
     # NeMo AutoModel's MoE rows over DeepEP, blind: Qwen3-30B-A3B on 8 and DeepSeek-V3 on 256 H100s within 10%;
     # DeepSeek-V3 on 1024 and Kimi K2 on 256 about 21% fast (bench/results/2026-12-06-plan-automodel.md)
     auto = {" ".join(r["run"].split()[:3]).rstrip(","): r for r in rows if r["source"] == "nemo_automodel"}
-    assert sorted(auto) == ["DeepSeek-V3, 1024 H100", "DeepSeek-V3, 256 H100", "Kimi K2, 256", "Qwen3-30B-A3B, 8 H100"]
+    assert sorted(auto) == ["DeepSeek-V3, 1024 H100", "DeepSeek-V3, 256 H100", "Kimi K2, 256", "Llama 3.1 70B",
+                            "Qwen3-30B-A3B, 8 H100"]
     assert not any(r["fitted"] for r in auto.values())
-    assert all(abs(auto[k]["error"]) <= 0.10 for k in ("Qwen3-30B-A3B, 8 H100", "DeepSeek-V3, 256 H100")), auto
+    assert all(abs(auto[k]["error"]) <= 0.10 for k in ("Qwen3-30B-A3B, 8 H100", "DeepSeek-V3, 256 H100",
+                                                        "Llama 3.1 70B")), auto
     assert all(-0.25 < auto[k]["error"] < -0.15 for k in ("DeepSeek-V3, 1024 H100", "Kimi K2, 256")), auto
 
 
@@ -613,7 +615,7 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (134, 124)
+    assert (len(rows), len(blind)) == (135, 125)
     # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before the FP8 rows
     # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%), 82 of 106 while torchtitan's Float8
     # rows ran Transformer Engine's recipe (7 misses, 7.5-54% fast); as torchao's (fitted on Table 1,
@@ -621,8 +623,9 @@ def test_validation_summary_counts():
     # 86 of 105 before the Llama 3 paper's two 405B rows, 88 of 107 before MaxText's 8 rows on two v5p slices (5 within);
     # Megatron-Bridge's two Qwen3-30B-A3B rows miss (3x fast); 93 of 117 before NeMo AutoModel's 4 MoE rows (DeepEP;
     # Qwen3-30B-A3B and DeepSeek-V3 on 256 within, DeepSeek-V3 on 1024 and Kimi K2 21% fast); 95 of 121 before
-    # Megatron-Bridge's later rows (Qwen3-235B-A22B's two within, Qwen3-30B-A3B's ep 16 row 1.8x fast)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 97
+    # Megatron-Bridge's later rows (Qwen3-235B-A22B's two within, Qwen3-30B-A3B's ep 16 row 1.7x fast); 97 of 124 before
+    # AutoModel's Llama 3.1 70B on 64 H100s (FSDP2 x CP 2, +7.5%)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 98
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
     assert len(titan8) == 8 and sum(r["fitted"] for r in titan8) == 1
     assert [r["run"] for r in titan8 if abs(r["error"]) > 0.10] == [r["run"] for r in titan8 if "CP 4" in r["run"]
