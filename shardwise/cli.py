@@ -94,9 +94,7 @@ def memory_size(text: str) -> int | float:
     v = float(m.group(1))
     if v <= 0:
         raise argparse.ArgumentTypeError(f"--memory-budget must be positive, got {text!r}")
-    if unit:
-        return int(v * UNITS[unit])
-    return int(v * 2**30) if v > 1 else v
+    return int(v * UNITS[unit]) if unit else int(v * 2**30) if v > 1 else v
 
 
 def memory_kw(args) -> dict:

@@ -147,8 +147,7 @@ def extract_loss(out, batch, loss_fn: Callable | None) -> torch.Tensor:
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost frame of the traceback that is not inside torch or shardwise."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for fr in reversed(frames):
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
         f = fr.filename.replace("\\", "/")
         if "/torch/" not in f and "/shardwise/capture/" not in f and "/shardwise/runtime/" not in f:
             return f"{fr.filename}:{fr.lineno} ({fr.line})"
@@ -420,8 +419,7 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
 
 def placeholder_names(cap: Capture) -> list[str]:
     """A readable name for each graph input: the parameter/buffer name or ``batch[i]``."""
-    n_t = sum(c is None for c in cap.batch_consts)
-    return cap.param_names + cap.buffer_names + [f"batch[{i}]" for i in range(n_t)]
+    return cap.param_names + cap.buffer_names + [f"batch[{i}]" for i in range(sum(c is None for c in cap.batch_consts))]
 
 
 def check_no_input_mutation(cap: Capture) -> None:

@@ -68,8 +68,7 @@ def _merge_all_gathers(g: fx.Graph, members: list[fx.Node], ranks: int) -> None:
         old_wait = next(iter(m.users))
         shape = list(emit.val(old_wait).shape)
         # each member's piece goes right before its own first use, so it can die after its last one
-        first = min(old_wait.users, key=lambda u: _order(g)[u])
-        with g.inserting_before(first):
+        with g.inserting_before(min(old_wait.users, key=lambda u: _order(g)[u])):
             col = emit.node(g, aten.slice.Tensor, (grid, 1, off, off + n), emit.fake([ranks, n], v0.dtype, v0.device))
             piece = emit.node(g, aten.clone.default, (col,), emit.fake([ranks, n], v0.dtype, v0.device),
                               memory_format=torch.contiguous_format)
@@ -85,8 +84,7 @@ def _merge_reduce_scatters(g: fx.Graph, members: list[fx.Node], ranks: int) -> N
     ks = [emit.val(x).numel() // ranks for x in ins]
     total = sum(ks)
     v0 = emit.val(ins[0])
-    last_in = max(ins, key=_order(g).__getitem__)
-    with g.inserting_before(last_in.next):
+    with g.inserting_before(max(ins, key=_order(g).__getitem__).next):
         grids = [emit.reshape(g, x, [ranks, k]) for x, k in zip(ins, ks)]
         cat = emit.node(g, aten.cat.default, (grids, 1), emit.fake([ranks, total], v0.dtype, v0.device))
         flat = emit.node(g, aten.view.default, (cat, [ranks * total]), emit.fake([ranks * total], v0.dtype, v0.device))

@@ -33,8 +33,7 @@ def apply(cap: Capture, gm, ctx: ShardContext) -> Program:
             size = nb
     reduced = list(cast_grads)
     for b in buckets:
-        last = max((cast_grads[i] for i in b), key=order.__getitem__)
-        with g.inserting_before(last.next):
+        with g.inserting_before(max((cast_grads[i] for i in b), key=order.__getitem__).next):
             outs = emit.all_reduce_many(g, [cast_grads[i] for i in b], ctx.dp, ctx.group, op="avg",
                                         params=[cap.grad_names[i] for i in b], stage=ctx.stage)
         for i, o in zip(b, outs):

@@ -188,8 +188,7 @@ def _auto_buckets(prog: Program, ctx: ShardContext, mode: str, starts) -> Progra
         if k and (t > min(r[1] for r in rows[:-1]) or peak > _peak_limit(ctx, rows[0][2])):
             break  # slower than a smaller size, or over the memory slack: larger ones will not do better
     base_peak = rows[0][2]
-    ok = [i for i, r in enumerate(rows) if r[2] <= _peak_limit(ctx, base_peak)]
-    best = min(ok, key=lambda i: (rows[i][1], i))
+    best = min([i for i, r in enumerate(rows) if r[2] <= _peak_limit(ctx, base_peak)], key=lambda i: (rows[i][1], i))
     rows[best][3] = True
     chosen = progs[best]
     if ctx.cap_sweep and _sweeps(ctx):

@@ -156,8 +156,7 @@ def partition(cap: Capture, plan: dict, ranks: int, group: str, sequence_paralle
     def index_of(d_size: int, groups: int = 1) -> fx.Node:
         """The input of this rank's indices into a dim of ``d_size`` cut in ``groups`` blocks (one per size and cut)."""
         if (d_size, groups) not in index_inputs:
-            last = g.find_nodes(op="placeholder")[-1]
-            with g.inserting_before(last.next):
+            with g.inserting_before(g.find_nodes(op="placeholder")[-1].next):
                 ph = g.placeholder(f"tp_index_{d_size}" + (f"x{groups}" if groups > 1 else ""))
             ph.meta["val"] = emit.fake([d_size // ranks], torch.long, device)
             index_inputs[(d_size, groups)] = ph

@@ -165,8 +165,7 @@ def _real(job, name: str, t: torch.Tensor) -> torch.Tensor:
     lay = job.layouts[name]
     if job.strategy == "ddp":
         return t.reshape(lay.shape2)
-    lo = job.mesh.rank("dp") * lay.rows
-    return t[:max(0, min(lay.rows, lay.shape2[0] - lo))]
+    return t[:max(0, min(lay.rows, lay.shape2[0] - job.mesh.rank("dp") * lay.rows))]
 
 
 def _dtensor(job, name: str, t: torch.Tensor) -> DTensor:
@@ -461,9 +460,7 @@ class HostStager:
                                       run_check=False, shape=obj.shape, stride=obj.stride())
         if isinstance(obj, Pieces):
             return Pieces(obj.whole, [(off, self._copy(f"{key}@{tuple(off)}", t)) for off, t in obj.chunks])
-        if isinstance(obj, torch.Tensor):
-            return self._copy(key, obj)
-        return obj
+        return self._copy(key, obj) if isinstance(obj, torch.Tensor) else obj
 
     def stage(self, state_dict: dict):
         if not self.cuda:
@@ -530,8 +527,7 @@ def save(job, path: str, extra: dict | None = None, blocking: bool = True):
 def load(job, path: str, extra: dict | None = None) -> dict:
     """``Job.load``; the saved extra values are under ``"extra"`` of what it returns."""
     wait_saves(job)
-    meta = _check(job, path)
-    sd = _template(job, meta)
+    sd = _template(job, _check(job, path))
     dcp.load(sd, checkpoint_id=path, planner=LoadPlanner())
     saved = json.loads(sd["meta"])
     if saved.get("format") != FORMAT:

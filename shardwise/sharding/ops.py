@@ -107,9 +107,7 @@ def tensor_bytes(v) -> int:
     """Bytes of a tensor (or of the tensors of a list or tuple); 0 for anything else."""
     if isinstance(v, torch.Tensor):
         return math.prod(v.shape) * v.dtype.itemsize
-    if isinstance(v, (list, tuple)):
-        return sum(tensor_bytes(x) for x in v)
-    return 0
+    return sum(tensor_bytes(x) for x in v) if isinstance(v, (list, tuple)) else 0
 
 
 # -- views and re-typings -------------------------------------------------------------------------

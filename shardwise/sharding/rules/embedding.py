@@ -28,9 +28,7 @@ def embedding(node, place, ranks):
     if isinstance(pw, Shard) and pw.dim == 1 and pi == R:
         return {}, Shard(val(node).dim() - 1)
     need = {w: R} if pw != R else {}
-    if isinstance(pi, Shard):
-        return need, pi
-    return need | ({idx: R} if pi != R else {}), R
+    return (need, pi) if isinstance(pi, Shard) else (need | ({idx: R} if pi != R else {}), R)
 
 
 def _table(node):

@@ -45,8 +45,7 @@ def mean(node, place, ranks):
 
 def _classes(p, node, x, d) -> bool:
     """A log-softmax over a plainly sharded dim: vocab-parallel (passes/tp.py reduces its max and sum of exps)."""
-    return node.target in _VOCAB_PARALLEL and isinstance(p, Shard) and p.groups == 1 and \
-        p.dim == dim(d, val(x).dim())
+    return node.target in _VOCAB_PARALLEL and isinstance(p, Shard) and p.groups == 1 and p.dim == dim(d, val(x).dim())
 
 
 def softmax(node, place, ranks):

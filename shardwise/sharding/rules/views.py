@@ -25,9 +25,7 @@ def _on_shards(rule):
         p = place(node.args[0])
         if isinstance(p, Partial):
             return {}, outputs_like(node, Partial())
-        if not isinstance(p, Shard):
-            return {}, outputs_like(node, p)
-        return rule(node, place, ranks)
+        return rule(node, place, ranks) if isinstance(p, Shard) else ({}, outputs_like(node, p))
 
     return wrapped
 
@@ -50,8 +48,7 @@ def transpose(node, place, ranks):
 @_on_shards
 def unsqueeze(node, place, ranks):
     p = place(node.args[0])
-    d = dim(node.args[1], val(node).dim())
-    return {}, p.moved(p.dim + (p.dim >= d))
+    return {}, p.moved(p.dim + (p.dim >= dim(node.args[1], val(node).dim())))
 
 
 @_on_shards
