@@ -766,6 +766,29 @@ def test_deepeps_dispatch_sends_a_token_once_to_each_rank_and_node_its_experts_a
         Strategy(dispatch="nccl")
 
 
+def test_zero3_under_a_pipeline_keeps_a_stage_gathered_on_gpus_and_regathers_per_micro_batch_on_tpus():
+    """ZeRO-3 with pp > 1. On GPUs (torch's pipelining with FSDP2) a stage is gathered at its first micro-batch's
+    forward and kept to its last backward, its gradients kept whole and reduce-scattered once: ZeRO-1's communication
+    and 16-bit weight copies, the stage's whole gradients at the backward's end, and the reduction exposed (after the
+    drain, one chunk's at a time). On TPUs XLA gathers twice and reduces once per micro-batch, under all the compute."""
+    m, c = model("llama3-70b"), cluster("dgx-h100:8")
+    st = Strategy(tp=8, pp=4, zero=3, global_batch=64, seq=4096, stack="torch", recompute="none")
+    z3, z1 = (estimate(m, c, dataclasses.replace(st, zero=z)) for z in (3, 1))
+    assert z3.dp_comm_s == pytest.approx(z1.dp_comm_s) and z3.dp_exposed_s > z1.dp_exposed_s
+    assert z3.memory["weights"] == pytest.approx(z1.memory["weights"]) and z3.memory["grads"] < z1.memory["grads"]
+    stage = m.params() / (8 * 4)  # a GPU's tensor-parallel share of its stage: 16-bit copies whole, fp32 over dp 2
+    assert z3.memory["weights"] == pytest.approx(2 * stage + 4 * stage / 2)
+    two = estimate(m, c, dataclasses.replace(st, virtual=2))  # the last chunk's reduction: half of it
+    assert two.dp_exposed_s < z3.dp_exposed_s
+    mega = estimate(m, c, dataclasses.replace(st, stack="megatron"))  # Megatron's layout: the whole stage too
+    assert mega.memory["weights"] == pytest.approx(estimate(m, c, dataclasses.replace(st, stack="megatron", zero=1))
+                                                   .memory["weights"])
+    tpu = cluster("tpu-v5p:4x4x8")
+    small, big = (estimate(m, tpu, Strategy(tp=8, pp=2, zero=3, global_batch=gb, seq=4096)) for gb in (32, 64))
+    assert big.micro_batches == 2 * small.micro_batches and big.dp_comm_s == pytest.approx(2 * small.dp_comm_s)
+    assert small.dp_exposed_s == pytest.approx(0.1 * small.dp_comm_s)  # hidden under the compute but the floor
+
+
 def test_a_pipeline_flushed_per_local_batch_pays_its_bubble_each_time():
     """AutoModel runs torch's pipeline schedule once per local batch: gradient accumulation over 4 schedules fills
     and drains the pipeline 4 times."""

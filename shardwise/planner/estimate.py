@@ -16,11 +16,11 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
   overlapped (Megatron's default) unless ``tp_exposed`` says what share stays exposed (XLA on TPUs overlaps it);
 - pipeline: the 1F1B bubble, ``(pp - 1) / (micro-batches · virtual stages)`` of the compute, and the exchanges between
   stages (2 per micro-batch and chunk, as exposed as tensor parallel's; the fill's and drain's always);
-- data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the updated shards; zero
-  3 adds the forward and backward all-gathers), overlapped with the backward (with a pipeline, the last micro-batch's
-  backward) but for the last bucket's share (``dp_exposed``), and all of what outlasts that compute; ZeRO-3 without a
-  pipeline layer by layer on the two-lane simulation instead (timeline.py: each layer's gathers and reduction, one layer
-  of prefetch, what the compute lane waits);
+- data parallel: the gradient reduction (zero 0-2: all-reduce / reduce-scatter + all-gather of the updated shards),
+  overlapped with the backward (with a pipeline, the last micro-batch's backward) but for the last bucket's share
+  (``dp_exposed``), and all of what outlasts that compute; ZeRO-3 without a pipeline layer by layer on the two-lane
+  simulation (timeline.py: each layer's gathers and reduction, one layer of prefetch, what the compute lane waits);
+  under one, a stage gathered once a step and kept (torch's pipelining on GPUs) or per micro-batch (XLA's);
 - optimizer: memory-bound AdamW over this GPU's shard at the memory-bound kernels' share of HBM
   bandwidth, 7 passes over its fp32 bytes fused, 20 multi-tensor (as measured: bench/planner/update_sweep.py).
 
@@ -354,7 +354,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     expert = (model.layers - model.dense_layers) * model.experts * model.expert_params() if model.experts > 1 else 0
     dense_params = (model.params() - expert) / (st.tp * st.pp)
     expert_params = expert / (etp * st.pp * st.ep)
-    shard_params = dense_params + expert_params
+    shard_params = whole = dense_params + expert_params
     gbytes = 4.0 if st.reduce_fp32 else 2.0  # per gradient element
     grad_bytes = gbytes * shard_params
     inner = st.tp * st.pp if st.rank_order == "tp-pp-dp" else st.tp  # how far apart a dp group's ranks are
@@ -376,13 +376,18 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         s = group(n)
         return cluster.collective_s("all_reduce", gbytes * params / s, n // s, stride * s) if n > s and params else 0.0
 
+    # ZeRO-3 under a pipeline: on GPUs (torch.distributed.pipelining with FSDP2, as torchtitan and AutoModel run it) a
+    # stage's weights gathered at its first micro-batch's forward and kept to its last backward, its gradients kept
+    # whole and reduce-scattered after it, a chunk at a time; XLA regathers and reduces for each micro-batch
+    kept, regather = (st.zero == 3 and st.pp > 1 and cluster.rings), (st.zero == 3 and st.pp > 1 and not cluster.rings)
+
     def reduce(params, n, stride):  # the gradients reduced (gbytes each), the 16-bit weights gathered
         if st.zero == 0:
             return cluster.collective_s("all_reduce", gbytes * params, n, stride)
         s = group(n)
-        return (cluster.collective_s("reduce_scatter", gbytes * params, s, stride)
-                + cluster.collective_s("all_gather", 2.0 * params, s, stride) * (3 if st.zero == 3 else 1)
-                + across(params, n, stride))
+        return ((m if regather else 1) * cluster.collective_s("reduce_scatter", gbytes * params, s, stride)
+                + cluster.collective_s("all_gather", 2.0 * params, s, stride) * (
+                    2 * m if regather else 3 if st.zero == 3 and not kept else 1) + across(params, n, stride))
 
     dp_comm = sum(reduce(p, n, stride) for p, n, stride in groups if p > 0)
     # on TPUs XLA all-reduces the shards across the groups (slices, over the data-center network) once
@@ -391,10 +396,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     # it hides behind the compute it overlaps: zero3's gathers and reductions run through the whole
     # step, a gradient reduction through the backward (with a pipeline, the last micro-batch's only,
     # where the stage's gradients become ready); what does not fit there is exposed
-    window = (compute / m if st.pp > 1 else compute) * (
-        1.0 if st.zero == 3 and st.pp == 1 else (0.75 if layer_rerun else 2 / 3))
+    window = (compute / m if st.pp > 1 and not regather else compute) * (
+        1.0 if st.zero == 3 and (st.pp == 1 or regather) else (0.75 if layer_rerun else 2 / 3))
     floor = DP_EXPOSED if st.dp_exposed is None else st.dp_exposed
     dp_exposed = max(floor * (dp_comm - late), dp_comm - late - window) + late
+    if kept:  # the gathers under the first micro-batch's forward; the last chunk's reduction after the drain
+        ag = sum(cluster.collective_s("all_gather", 2.0 * p, group(n), stride) for p, n, stride in groups if p > 0)
+        dp_exposed = max(floor * ag, ag - compute / m / 3) + max(floor * (dp_comm - ag), (dp_comm - ag) / st.virtual)
     ep_exposed = max(DP_EXPOSED * ep_comm, ep_comm - compute) if st.ep_overlap else ep_comm
     stalls = tp_share * tp_comm + ep_exposed + cp_exposed  # the compute lane's own waits, inside its layers
     dp_formula = ""
@@ -435,9 +443,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     logit_bytes = 12.0 if st.eager and st.stack != "megatron" else 4.0
     logits = logit_bytes * lseq * b * model.vocab / st.tp if st.pp == 1 else 0.0
     activations += logits
-    held = lambda stage: dense_params / z(stage, sdp) + expert_params / z(stage, edp)  # noqa: E731
+    held = lambda stage: dense_params / z(stage, sdp) + expert_params / z(stage, edp)  # noqa: E731 - 4: whole
     if st.stack == "megatron":  # every part held all through the step
-        weights, grads, optim = 2.0 * held(3), gbytes * held(2), 12.0 * opt_params
+        weights, grads, optim = 2.0 * held(4 if kept else 3), gbytes * held(4 if kept else 2), 12.0 * opt_params
         total = weights + grads + optim + activations
         peak, copies, buckets, phases = "", 0.0, 0.0, {}
     else:
@@ -449,11 +457,10 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         experts = expert / (model.layers - model.dense_layers)
         layer = (model.layer_params() - experts) / st.tp + experts / (etp * st.ep)
         root = (model.embedding_params() + model.head_params()) / st.tp
-        whole = dense_params + expert_params
-        copies = 2.0 * (whole if st.zero < 3 else root + 2 * layer)
+        copies = 2.0 * (whole if st.zero < 3 or kept else root + 2 * layer)
         buckets = 4.0 * whole if st.zero == 0 and sdp > 1 else 0.0  # DDP's gradient buckets, kept across steps
         phases = {"the forward's end": copies + activations,
-                  "the backward's end": copies + grads + (6.0 * layer if st.zero == 3 else 0.0),
+                  "the backward's end": copies + grads + (gbytes * whole if kept else 6.0 * layer * (st.zero == 3)),
                   "the optimizer step": grads + (4.0 * opt_params if st.foreach else 0.0)}
         peak = max(phases, key=phases.get)
         total = weights + optim + buckets + phases[peak]
@@ -483,10 +490,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"bubble = (pp-1)·flushes/(m·v)·compute + the exposed exchanges with the next stage, max("
         f"{tp_share:.0%}·2·m·v, 2·(pp-1)·flushes) x {g(p2p_one)} s = ({st.pp}-1)·{st.flushes}/({m}·"
         f"{st.virtual})·{g(compute)} + {g(p2p)} = {g(bubble)} s",
-        dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather' + (' x3' if st.zero == 3 else '')}"
-        f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
+        dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather'}"
+        + (f" x{m} micro-batches, the gather twice" if regather else " x3" if st.zero == 3 and not kept else "")
+        + f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
         + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")
-        + f") = {g(dp_comm)} s, exposed max({floor:.0%}, what outlasts the {g(window)} s it overlaps)"
+        + f") = {g(dp_comm)} s, exposed " + ("the gathers beyond a micro-batch's forward and the last chunk's reduction"
+                                              if kept else f"max({floor:.0%}, what outlasts the {g(window)} s it overlaps)")
         + (f" + the all-reduce across the groups after the backward {g(late)} s" if late else "")
         + f" = {g(dp_exposed)} s"),
         f"optimizer ({'multi-tensor' if st.foreach else 'fused'} AdamW) = "
@@ -500,8 +509,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
          f"memory = fp32 weights {g(weights - copies)} + moments {g(optim)} (ZeRO-{st.zero})"
          + (f" + DDP's gradient buckets {g(buckets)}" if buckets else "") + f" + at {peak} {g(phases[peak])}, the "
          "largest of " + "; ".join(f"{k} {g(v)}" for k, v in phases.items()) + " (16-bit weight copies + activations; "
-         "copies + gradients" + (" + a layer's gradient in 16 and 32 bits" if st.zero == 3 else "") + "; gradients"
-         + (" + the foreach temporary" if st.foreach else "") + f") = {g(total)} B")]
+         "copies + gradients" + (" + the stage's whole gradients" if kept else " + a layer's gradient in 16 and 32 bits"
+                                 if st.zero == 3 else "") + "; gradients" + (" + the foreach temporary" if st.foreach
+                                                                             else "") + f") = {g(total)} B")]
     if st.cp > 1:
         formulas.insert(4, f"context parallel = {4 if layer_rerun else 3} collectives of the keys and values x "
                            f"{layers_here} layers x {m} micro-batches over {st.cp} ranks = {g(cp_comm)} s, exposed "
