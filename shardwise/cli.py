@@ -365,6 +365,8 @@ def _plan_parser(sub) -> None:
                    help="context-parallel size: each sequence cut over this many ranks (ring attention)")
     p.add_argument("--capacity", type=float, default=1.0, help="MoE expert capacity factor: experts compute on this "
                    "many times their routed tokens (capacity dispatch, e.g. 1.25; default 1: exact top-k)")
+    p.add_argument("--onehot", action="store_true", help="MoE capacity dispatch by GShard's one-hot contractions "
+                   "(MaxText's dense path): 2·d·E·C FLOPs a token into the experts' slots and out, and their gradients")
     p.add_argument("--shard", type=int, default=None,
                    help="hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (e.g. a "
                         "node's GPUs) and the groups all-reduce their gradient shards (default: one group)")

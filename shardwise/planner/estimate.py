@@ -113,6 +113,11 @@ class Strategy:
     """MoE expert capacity factor: each expert computes (and keeps activations for) this many times
     its share of the routed tokens (GShard/Switch capacity dispatch pads to it; 1: exact top-k, as
     grouped GEMMs run). Model FLOPs and MFU count the routed tokens alone."""
+    onehot: bool = False
+    """Capacity dispatch as GShard's one-hot contractions (MaxText's dense MoE path, ``sparse_matmul=False``): each
+    token into and out of the experts' ``capacity`` slots of its sequence by products of 2·d·E·C FLOPs a token, C =
+    capacity·s·k/E; the backward runs the dispatch's once more, the combine's twice (its mask holds the router's
+    weights), a rerun forward both again. Counted as compute, not as model FLOPs."""
     shard: int | None = None
     """Hybrid sharding (FSDP2's HSDP, MaxText's FSDP inside a slice with data parallelism across): ZeRO shards the state
     over groups of ``shard`` neighbouring data-parallel ranks, which replicate it across groups; each group's gradient
@@ -266,6 +271,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     if model.experts > 1 and st.capacity > 1.0:
         expert_matmul = model.expert_params() - (model.ffn + h if model.bias else 0)
         pad = 6.0 * (L - model.dense_layers) * model.top_k * expert_matmul * (st.capacity - 1.0) * (1 + layer_rerun / 3)
+    if model.experts > 1 and st.onehot:  # the one-hot dispatch's and combine's products: 2 forward, 3 backward, 2 rerun
+        pad += 2.0 * h * st.capacity * seq * model.top_k * (L - model.dense_layers) * (5 + 2 * layer_rerun)
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
     attn_rate = acc.attention_rate(seq) if st.efficiency is None and st.fused_attention else None
