@@ -316,9 +316,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
     # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute;
     # under block +1, the attention's, as the MLP's reduction follows the down projection, which is not
-    # rerun; with sequence parallelism the rerun MLP input's all-gather adds half of one; MoE: +2)
+    # rerun; with sequence parallelism the rerun MLP input's all-gather adds half of one; MoE: +2; torchtitan's per-op
+    # policy with sequence parallelism reruns both all-gathers, their outputs not saved: half of one each)
     tp_rerun = 2.0 if st.recompute == "full" or (st.recompute == "block" and model.experts > 1) else (
-        (1.5 if st.sp and st.tp > 1 else 1.0) if st.recompute == "block" else 0.0)
+        (1.5 if st.sp and st.tp > 1 else 1.0) if st.recompute == "block" else
+        1.0 if st.recompute == "selective-op" and st.sp and st.tp > 1 else 0.0)
     per_layer = 4 + tp_rerun
     layers_here = -(-L // st.pp)  # the fullest stage sets the pace when layers do not split evenly
     act_bytes = 2.0 * b * lseq * h
