@@ -643,7 +643,7 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (146, 136)
+    assert (len(rows), len(blind)) == (156, 146)
     # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before the FP8 rows
     # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%), 82 of 106 while torchtitan's Float8
     # rows ran Transformer Engine's recipe (7 misses, 7.5-54% fast); as torchao's (fitted on Table 1,
@@ -655,8 +655,11 @@ def test_validation_summary_counts():
     # AutoModel's Llama 3.1 70B on 64 H100s (FSDP2 x CP 2, +7.5%); 98 of 125 before Megatron-Bridge's Llama 3 70B
     # SFT row, 99 before MaxText's one-hot dispatch (Mixtral on v6e -10.2% to +0.7%), 100 of 126 before torchtitan's
     # 2025 H200 file (Trainy: Llama 3.1 8B Float8 on 32 and 64 H200s, -4.1% and -5.8%), 102 of 128 before its async-TP
-    # file (8 rows: 70B on 256 within but bf16 async TP, -13.3%; 8B on 64 with TP 8, 15-28% fast)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 105
+    # file (8 rows: 70B on 256 within but bf16 async TP, -13.3%; 8B on 64 with TP 8, 15-28% fast), 105 of 136 before
+    # llm-foundry's A100 40GB table (10 rows by its rule, 5 within; 70B on 64 -33%)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 110
+    forty = [r for r in rows if "A100 40GB" in r["run"]]
+    assert len(forty) == 10 and sum(abs(r["error"]) <= 0.10 for r in forty) == 5
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
     assert len(titan8) == 8 and sum(r["fitted"] for r in titan8) == 1
     assert [r["run"] for r in titan8 if abs(r["error"]) > 0.10] == [r["run"] for r in titan8 if "CP 4" in r["run"]

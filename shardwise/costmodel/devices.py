@@ -166,6 +166,8 @@ DEVICES = {
 # the H100 SXM with 96 GB of HBM2e at 2.4 TB/s (Meta's Grand Teton hosts, torchtitan's benchmarks)
 DEVICES["h100-hbm2e"] = replace(DEVICES["h100"], name="h100-hbm2e", bandwidth=1.92e12, hbm_bytes=96e9, hbm_bw=2.4e12,
                                 label="H100 SXM 96 GB HBM2e", match=())
+DEVICES["a100-40gb"] = replace(DEVICES["a100"], name="a100-40gb", bandwidth=1.24e12, hbm_bytes=40e9, hbm_bw=1.555e12,
+                               label="A100 SXM 40GB", match=())  # HBM2 at 1.555 TB/s; its copy rate scaled alike
 
 
 def cuda_device(name: str) -> Device:

@@ -65,6 +65,7 @@ NODES = {
     "h200-nv18-x2": (H200, 2, PRESETS["h200-nv18-x2"].level("NVLink NV18"), None),
     "dgx-h100": (H100, 8, NVLINK4, IB_NDR), "dgx-h200": (H200, 8, NVLINK4, IB_NDR),
     "dgx-a100": (A100, 8, NVLINK3, IB_HDR), "h100-hbm2e": (H100_HBM2E, 8, NVLINK4, IB_NDR),  # 400 Gb/s per GPU
+    "dgx-a100-40gb": (DEVICES["a100-40gb"], 8, NVLINK3, IB_HDR),
     # a PCIe-only server: 8 H100 PCIe without NVLink bridges, one NDR NIC per 2 GPUs between servers
     "pcie-h100": (H100_PCIE, 8, PCIE5_HOST, Level("InfiniBand NDR 400G per 2 GPUs", 23.5e9, 14e-6)),
     # the A100 cluster of vTrain's measurements (its validation configs: 800 Gb/s per 8-GPU node)
