@@ -500,7 +500,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         f"{tp_share:.0%}·2·m·v, 2·(pp-1)·flushes) x {g(p2p_one)} s = ({st.pp}-1)·{st.flushes}/({m}·"
         f"{st.virtual})·{g(compute)} + {g(p2p)} = {g(bubble)} s",
         dp_formula or (f"data parallel ({'all-reduce' if st.zero == 0 else 'reduce-scatter + all-gather'}"
-        + (f" x{m} micro-batches, the gather twice" if regather else " x3" if st.zero == 3 and not kept else "")
+        + (f" x{m} micro-batches, the gather twice" if regather else "")
         + f" of {gbytes:g}·N/(tp·pp) = {g(grad_bytes)} B over {group(sdp)}"
         + (f", then all-reduce of 1/{group(sdp)} of it over the {sdp // group(sdp)} groups" if group(sdp) < sdp else "")
         + f") = {g(dp_comm)} s, exposed " + ("the gathers beyond a micro-batch's forward and the last chunk's reduction"
