@@ -30,14 +30,12 @@ def budget_bytes(budget, device: torch.device) -> int | None:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
-        frac = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(index)
-        return int(total * frac * budget)
+        return int(total * getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(index) * budget)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * budget)
 
 
 def _total(ts) -> int:
-    seen = {id(t): t for t in ts if not t.is_meta}
-    return sum(t.numel() * t.element_size() for t in seen.values())
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in ts if not t.is_meta}.values())
 
 
 class MemoryPlan:
@@ -107,8 +105,7 @@ class MemoryPlan:
                               + (", offload_optimizer=True (master shards and optimizer state in host memory)"
                                  if zero3 and st is None else "") + ", or raise the budget")
         # under offload, optimizer state claims the headroom before any parameter is kept gathered
-        reserve = sum(st.param_bytes(n) for n in st.params) if st is not None and not self.offload_all else 0
-        return left, reserve
+        return left, (sum(st.param_bytes(n) for n in st.params) if st is not None and not self.offload_all else 0)
 
     def graph_room(self, tensors, shrink: float = 1.0) -> int | None:
         """Bytes a step graph may use: the budget (on CUDA without one, the device) less ``shrink`` of
@@ -195,8 +192,7 @@ class MemoryPlan:
         left = budget - self.slack - peak
         if st.overlap and not measured:
             # the next graph runs while the update still holds the gradients and its temporaries
-            grads = max((self.liveness(prog).outputs for prog in self.programs()), default=0)
-            left -= grads + st.transient_bytes()
+            left -= max((self.liveness(prog).outputs for prog in self.programs()), default=0) + st.transient_bytes()
         keep = []
         for n in st.params:
             b = st.param_bytes(n)

@@ -210,8 +210,7 @@ class Compiler:
 
     def _warn_shapes(self) -> None:
         """Each new batch shape compiles a program: at 4 shapes, and at each doubling, say what it costs."""
-        shapes = {sig for sig, mode, _ in self.compiles if mode != "eval"}
-        n = len(shapes)
+        n = len({sig for sig, mode, _ in self.compiles if mode != "eval"})
         if n >= 4 and n & (n - 1) == 0 and self.compiles[-1][1] != "eval":
             spent = sum(s for *_, s in self.compiles)
             warnings.warn(
@@ -236,9 +235,7 @@ class Compiler:
     def _context(self, tensors, train: bool) -> ShardContext:
         """The pass context, with the graph's share of the memory budget when one is set."""
         share = self.plan.graph_budget(tensors) if train else None
-        if share is None:
-            return self.ctx
-        return dataclasses.replace(self.ctx, graph_budget=share[0], reserve=share[1])
+        return self.ctx if share is None else dataclasses.replace(self.ctx, graph_budget=share[0], reserve=share[1])
 
     def _unplanned(self) -> bool:
         """Whether a model-parallel axis (tp, ep) has no placements yet: the first program is compiling."""
@@ -368,8 +365,7 @@ class Compiler:
             # (below): the one every rank agrees on first needs no budget's search
             first_tp = bool(placements) and self._unplanned()
             ctx = self.ctx if first_tp and self.plan.budget is not None else self._context(tensors, train)
-            prog = shard_step(cap, self.strategy, ctx, "step" if mode == "eval" else mode)
-            return cap, placements, gather, prog
+            return cap, placements, gather, shard_step(cap, self.strategy, ctx, "step" if mode == "eval" else mode)
 
         ep = self.ep
         if ep is not None and ep.split == "auto":  # whole and in halves (where the rows split): the faster kept

@@ -17,8 +17,7 @@ class SyntheticStream:
     Its entropy is far below ``log(vocab)``, so a model's loss falls visibly within a few dozen steps."""
 
     def __init__(self, vocab: int, seq: int, batch: int, seed: int = 0, branching: int = 4):
-        g = torch.Generator().manual_seed(seed)
-        self.succ = torch.randint(0, vocab, (vocab, branching), generator=g)
+        self.succ = torch.randint(0, vocab, (vocab, branching), generator=torch.Generator().manual_seed(seed))
         self.vocab, self.seq, self.batch, self.seed = vocab, seq, batch, seed
 
     def get(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -295,9 +295,7 @@ class Job(Checkpointing, Held):
 
     def update_overlap(self) -> str | None:
         """How a step's update overlaps the next step: None, "host" (offload), "device" (overlap_update)."""
-        if not self.updater.overlaps_next_step:
-            return None
-        return "host" if self.state.streamer is not None else "device"
+        return ("host" if self.state.streamer is not None else "device") if self.updater.overlaps_next_step else None
 
     def predict_memory(self, batch) -> dict[str, int]:
         """Predicted peak bytes on this rank for a step on ``batch`` (one micro-batch), before running it.

@@ -34,8 +34,7 @@ def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup: int, total: int
 
 def no_decay(name: str) -> bool:
     """Biases and normalisation weights: the parameters conventionally trained without weight decay."""
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf == "bias" or any(k in name for k in ("norm", "ln_", ".ln", "ln1", "ln2"))
+    return name.rsplit(".", 1)[-1] == "bias" or any(k in name for k in ("norm", "ln_", ".ln", "ln1", "ln2"))
 
 
 def adamw_groups(named, lr: float, weight_decay: float = 0.1, **kw) -> torch.optim.AdamW:

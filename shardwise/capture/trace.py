@@ -318,13 +318,12 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
                  split: int = 1) -> Capture:
     """Trace ``loss = model(batch); grads = d loss / d params`` on fake tensors into one graph.
 
-    Parameters released to the ``meta`` device (as zero3 does with the full weights) are traced
-    as if on ``device``. ``forwards`` ({module: function}) traces those modules through the
-    functions instead of their own forwards, and ``shapes`` ({parameter name: shape}) traces those
-    parameters with those shapes: a partition that must be made while tracing (passes/ep.py, for
-    experts whose dispatch the graph cannot show statically) says so. ``split`` > 1 runs the model
-    on that many equal parts of the batch (its tensors cut along dim 0), the loss their mean: parts
-    that share no values until the loss, which a scheduler can interleave (passes/ep.py).
+    Parameters released to the ``meta`` device (as zero3 does with the full weights) are traced as if on ``device``.
+    ``forwards`` ({module: function}) traces those modules through the functions instead of their own forwards, and
+    ``shapes`` ({parameter name: shape}) traces those parameters with those shapes: a partition that must be made while
+    tracing (passes/ep.py, for experts whose dispatch the graph cannot show statically) says so. ``split`` > 1 runs the
+    model on that many equal parts of the batch (its tensors cut along dim 0), the loss their mean: parts that share no
+    values until the loss, which a scheduler can interleave (passes/ep.py).
 
     Example::
 

@@ -81,8 +81,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_head // self.n_kv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):
@@ -100,5 +99,4 @@ def init_weights(model: nn.Module, n_layer: int) -> None:
     """Normal(0, 0.02) for matrices and embeddings, scaled down for residual outputs."""
     for name, p in model.named_parameters():
         if p.dim() >= 2:
-            std = 0.02 / (2 * n_layer) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            nn.init.normal_(p, std=std)
+            nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02)

@@ -55,8 +55,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
-        h = self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-        return x + F.dropout(h, self.dropout, self.training)
+        return x + F.dropout(self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh")), self.dropout, self.training)
 
 
 class GPT(nn.Module):

@@ -70,8 +70,7 @@ class MoEFFN(nn.Module):
         if self.capacity_factor is None:
             gates = torch.zeros_like(probs).scatter(-1, idx, gate)
             h = F.silu(torch.einsum("btd,edf->ebtf", x, self.w1)) * torch.einsum("btd,edf->ebtf", x, self.w3)
-            y = torch.einsum("ebtf,efd->ebtd", h, self.w2)
-            return torch.einsum("ebtd,bte->btd", y, gates)
+            return torch.einsum("ebtd,bte->btd", torch.einsum("ebtf,efd->ebtd", h, self.w2), gates)
         return self._dispatched(x, idx, gate)
 
     def _dispatched(self, x, idx, gate):
@@ -88,8 +87,7 @@ class MoEFFN(nn.Module):
         # which token fills each slot (n: a zero row), then the experts as batched products
         token = torch.arange(n, device=x.device).repeat(k)
         filler = torch.full((dump + 1,), n, dtype=token.dtype, device=x.device).scatter(0, slot, token)[:dump]
-        rows = torch.cat([x.reshape(n, d), x.new_zeros(1, d)])
-        xe = rows.index_select(0, filler).view(e, cap, d)
+        xe = torch.cat([x.reshape(n, d), x.new_zeros(1, d)]).index_select(0, filler).view(e, cap, d)
         h = F.silu(torch.bmm(xe, self.w1)) * torch.bmm(xe, self.w3)
         ye = torch.cat([torch.bmm(h, self.w2).reshape(dump, d), x.new_zeros(1, d)])
         # each token gathers its k pairs' expert outputs (a dropped pair gets the zero row), weighted
@@ -97,8 +95,7 @@ class MoEFFN(nn.Module):
         # (choice-major, the backward's product of the expanded gradient and the transposed gates
         # is laid out choice-inner, and a graph that views it as rows fails when run eagerly)
         pair = slot.view(k, n).t().reshape(-1)
-        out = ye.index_select(0, pair).view(n, k, d) * gate.reshape(n, k, 1)
-        return out.sum(1).view(b, t, d)
+        return (ye.index_select(0, pair).view(n, k, d) * gate.reshape(n, k, 1)).sum(1).view(b, t, d)
 
 
 class MoEBlock(LlamaBlock):

@@ -200,8 +200,7 @@ def partition(cap: Capture, ranks: int, group: str, stage: str | None = None,
     experts = {ph for ph, name in params.items() if name in counts}
     slot, entries = _region(g, experts)
     for x in entries:
-        e = x.meta["val"].shape[0]
-        if e not in counts.values():
+        if x.meta["val"].shape[0] not in counts.values():
             raise ExpertError(f"{x.name} of shape {tuple(x.meta['val'].shape)} enters an expert region, but its "
                               f"dim 0 is not an expert count ({sorted(set(counts.values()))})")
     fwd = forward_nodes(gm)

@@ -248,8 +248,7 @@ def _reshard(g, x, src, dst, ranks, group, index_of, phase, stage=None, reason="
         first = emit.node(g, aten.view.default, (first, []), emit.fake([], torch.bool, v.device))
         return emit.node(g, aten.mul.Tensor, (x, first), emit.fake(list(v.shape), v.dtype, v.device))
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        idx = index_of(v.shape[dst.dim], dst.groups)
-        return emit.node(g, aten.index_select.default, (x, dst.dim, idx),
+        return emit.node(g, aten.index_select.default, (x, dst.dim, index_of(v.shape[dst.dim], dst.groups)),
                          emit.fake(local_shape(v.shape, dst, ranks), v.dtype, v.device))
     raise NotImplementedError(f"tp: moving {x.name} from {src} to {dst} is not built yet")
 
@@ -301,8 +300,7 @@ def _scatter(g, x, p, ranks, group, phase, stage=None, reason=""):
     out = emit.start_and_wait(g, emit.c10d.reduce_scatter_tensor.default, (y, "sum", ranks, group), local, v.dtype,
                               v.device, c, stage)
     if d != 0:
-        back = [perm.index(i) for i in range(len(perm))]
-        out = _contiguous(g, emit.node(g, aten.permute.default, (out, back),
+        out = _contiguous(g, emit.node(g, aten.permute.default, (out, [perm.index(i) for i in range(len(perm))]),
                                        emit.fake(local_shape(v.shape, p, ranks), v.dtype, v.device)))
     return _moved(out, x, d, group, c) if p.groups == 1 else out
 

@@ -455,9 +455,8 @@ class StreamedOptimizer:
                 # the old slots may still be read by copies on the side streams: let them finish before
                 # the allocator hands their memory to the compute stream
                 torch.cuda.synchronize(self.device)
-            n = min(self.window, len(self.chunks))
             self._ring = [{r: torch.empty(size, dtype=torch.uint8, device=self.device) for r in roles}
-                          for _ in range(n)]
+                          for _ in range(min(self.window, len(self.chunks)))]
             self._ring_key = (size, tuple(roles))
             self._ring_fresh = True
         return self._ring

@@ -1,10 +1,9 @@
 """``sw.shard(x, placement)``: a model marks an activation's placement on the tp axis (the GSPMD
 ``mark_sharding``), say ``sw.shard(h, sw.Shard(1))`` for sequence shards of ``h``.
 
-Outside capture it returns ``x`` as it is. Captured, it is a ``shardwise::shard_hint`` node (an
-identity, its gradient passed through), which the tp partition (passes/tp.py) turns into a mark that
-propagation honours: readers see the value in that placement, whatever its producer left. Without a
-tp axis the compiler removes the nodes before anything runs.
+Outside capture it returns ``x`` as it is. Captured, it is a ``shardwise::shard_hint`` node (an identity, its gradient
+passed through), which the tp partition (passes/tp.py) turns into a mark that propagation honours: readers see the value
+in that placement, whatever its producer left. Without a tp axis the compiler removes the nodes before anything runs.
 
     >>> import torch, shardwise as sw
     >>> x = torch.ones(2, 4)

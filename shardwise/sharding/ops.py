@@ -1,9 +1,8 @@
-"""What shardwise knows about each ATen op, in one registry keyed by op overload (or by packet, for
-every overload of it): whether it only re-views its input, whether zero3 may rebuild it on a backward
-gather, how inductor treats it (a library kernel, a composite it decomposes, a heavy op its C++ code
-stores rather than recomputes), its FLOPs, and its SM-carved twin. Passes (zero3's view chains,
-recomputation, the carveout) and the cost model (roofline, liveness) read the same entries; the
-tensor-parallel pass will add propagation rules here.
+"""What shardwise knows about each ATen op, in one registry keyed by op overload (or by packet, for every overload of
+it): whether it only re-views its input, whether zero3 may rebuild it on a backward gather, how inductor treats it (a
+library kernel, a composite it decomposes, a heavy op its C++ code stores rather than recomputes), its FLOPs, and its
+SM-carved twin. Passes (zero3's view chains, recomputation, the carveout) and the cost model (roofline, liveness) read
+the same entries; the tensor-parallel pass will add propagation rules here.
 
     >>> import torch
     >>> from shardwise.sharding import ops

@@ -1,12 +1,11 @@
 """Sharding propagation over the joint graph (forward and backward together), on one mesh axis.
 
-Seeds place some inputs (the tensor-parallel plan's parameters); every other input is replicated.
-Nodes are visited in graph order, so each one's inputs are placed before it: the op's rule
-(sharding/rules/, registered in the op registry) takes the inputs' placements and says which
-placements it needs them in and what its output is. Where an input is not in the placement its rule
-needs, a ``Reshard`` is recorded on that edge: the collective the partitioner inserts there (S→R
-all-gather, P→R all-reduce, P→S reduce-scatter, S(d)→S(d') all-to-all, R→S a local slice). The
-graph's outputs want the loss replicated and each gradient placed as its parameter.
+Seeds place some inputs (the tensor-parallel plan's parameters); every other input is replicated. Nodes are visited in
+graph order, so each one's inputs are placed before it: the op's rule (sharding/rules/, registered in the op registry)
+takes the inputs' placements and says which placements it needs them in and what its output is. Where an input is not in
+the placement its rule needs, a ``Reshard`` is recorded on that edge: the collective the partitioner inserts there (S→R
+all-gather, P→R all-reduce, P→S reduce-scatter, S(d)→S(d') all-to-all, R→S a local slice). The graph's outputs want the
+loss replicated and each gradient placed as its parameter.
 
 Partial values (pending sums) flow on through linear ops (views, additions of partials, products
 with replicated factors) and are reduced where an op needs the whole value: a row-parallel product's
