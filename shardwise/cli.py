@@ -396,6 +396,8 @@ def _plan_parser(sub) -> None:
     p.add_argument("--routing", choices=["balanced", "contiguous"], default="balanced", help="experts a token picks: "
                    "at random, each as often; or token t to experts t·k..t·k+k-1")
     p.add_argument("--flushes", type=int, default=1, help="pipeline schedules a step, each filled and drained")
+    p.add_argument("--head-stage", action="store_true", help="stages as NeMo AutoModel splits them: layers even over "
+                   "pp x virtual, the remainder to the first, the output layer on the last (the fullest rank paces)")
     p.add_argument("--dropout", choices=["on", "off"], default=None, help="dropout masks kept (default: the model's)")
     p.add_argument("--tp-exposed", type=float, default=None, metavar="SHARE",
                    help="share of tp communication exposed (0: overlapped; default: all on GPUs, the dp share on TPUs)")

@@ -182,15 +182,15 @@ def test_predictions_hold_the_published_runs_within_10pct():
     assert len(moe) == 3 and -0.7 < moe[0] < -0.55 and all(-0.45 < e < -0.3 for e in moe[1:]), moe
     big = [r["error"] for r in rows if "Qwen3-235B" in r["run"]]
     assert len(big) == 2 and all(abs(e) <= 0.10 for e in big), big
-    # NeMo AutoModel's MoE rows over DeepEP, blind: Qwen3-30B-A3B on 8 and DeepSeek-V3 on 256 H100s within 10%;
-    # DeepSeek-V3 on 1024 and Kimi K2 on 256 about 21% fast (bench/results/2026-12-06-plan-automodel.md)
+    # NeMo AutoModel's MoE rows over DeepEP, blind: Qwen3-30B-A3B on 8, DeepSeek-V3 on 256 H100s and (with its
+    # pipeline split) Kimi K2 on 256 within 10%; DeepSeek-V3 on 1024 16% fast (bench/results/2026-12-06-plan-automodel.md)
     auto = {" ".join(r["run"].split()[:3]).rstrip(","): r for r in rows if r["source"] == "nemo_automodel"}
     assert sorted(auto) == ["DeepSeek-V3, 1024 H100", "DeepSeek-V3, 256 H100", "Kimi K2, 256", "Llama 3.1 70B",
                             "Qwen3-30B-A3B, 8 H100"]
     assert not any(r["fitted"] for r in auto.values())
     assert all(abs(auto[k]["error"]) <= 0.10 for k in ("Qwen3-30B-A3B, 8 H100", "DeepSeek-V3, 256 H100",
-                                                        "Llama 3.1 70B")), auto
-    assert all(-0.25 < auto[k]["error"] < -0.15 for k in ("DeepSeek-V3, 1024 H100", "Kimi K2, 256")), auto
+                                                        "Llama 3.1 70B", "Kimi K2, 256")), auto
+    assert -0.20 < auto["DeepSeek-V3, 1024 H100"]["error"] < -0.15, auto
 
 
 def test_wide_heads_and_tensor_parallel_across_torus_axes():
@@ -656,8 +656,9 @@ def test_validation_summary_counts():
     # SFT row, 99 before MaxText's one-hot dispatch (Mixtral on v6e -10.2% to +0.7%), 100 of 126 before torchtitan's
     # 2025 H200 file (Trainy: Llama 3.1 8B Float8 on 32 and 64 H200s, -4.1% and -5.8%), 102 of 128 before its async-TP
     # file (8 rows: 70B on 256 within but bf16 async TP, -13.3%; 8B on 64 with TP 8, 15-28% fast), 105 of 136 before
-    # llm-foundry's A100 40GB table (10 rows by its rule, 5 within; 70B on 64 -33%)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 110
+    # llm-foundry's A100 40GB table (10 rows by its rule, 5 within; 70B on 64 -33%), 110 of 146 before AutoModel's
+    # pipeline split (Kimi K2 -17.6% to -8.0%: the 163,840-word output layer on the last of 8 ranks)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 111
     forty = [r for r in rows if "A100 40GB" in r["run"]]
     assert len(forty) == 10 and sum(abs(r["error"]) <= 0.10 for r in forty) == 5
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
@@ -821,6 +822,22 @@ def test_zero3_under_a_pipeline_keeps_a_stage_gathered_on_gpus_and_regathers_per
     small, big = (estimate(m, tpu, Strategy(tp=8, pp=2, zero=3, global_batch=gb, seq=4096)) for gb in (32, 64))
     assert big.micro_batches == 2 * small.micro_batches and big.dp_comm_s == pytest.approx(2 * small.dp_comm_s)
     assert small.dp_exposed_s == pytest.approx(0.1 * small.dp_comm_s)  # hidden under the compute but the floor
+
+
+def test_automodels_pipeline_split_paces_the_step_by_its_fullest_rank():
+    """NeMo AutoModel splits 61 layers over pp 8 x v 4 = 32 chunks as 2 each to the first 29 and 1 to the last 3, with
+    the output layer on the last chunk: rank 7 holds 2 + 2 + 2 + 1 layers and the head, the others 7 or 8 layers. The
+    fullest rank's work over the mean scales the compute; an even split (61 layers over 8 ranks is not even) does not."""
+    m = ModelSpec("kimi-like", 61, 7168, 64, 64, 2048, 163840, seq=4096, experts=384, top_k=8, dense_layers=1,
+                  dense_ffn=18432)
+    c = cluster("dgx-h100:32")
+    st = Strategy(pp=8, virtual=4, zero=3, ep=32, global_batch=512, seq=4096, recompute="block", stack="torch")
+    even, split = estimate(m, c, st), estimate(m, c, dataclasses.replace(st, head_stage=True))
+    head = 6.0 * m.vocab * m.hidden / ((m.flops_per_token(4096) - 6.0 * m.vocab * m.hidden) / 61)
+    pace = (7 + head) * 8 / (61 + head)
+    assert split.compute_s == pytest.approx(even.compute_s * pace, rel=1e-9) and pace > 1.1
+    flat = dataclasses.replace(st, pp=1, virtual=1, ep=32)
+    assert estimate(m, c, dataclasses.replace(flat, head_stage=True)).compute_s == estimate(m, c, flat).compute_s
 
 
 def test_a_pipeline_flushed_per_local_batch_pays_its_bubble_each_time():

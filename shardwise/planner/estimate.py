@@ -160,6 +160,10 @@ class Strategy:
     routing: str = "balanced"
     """Experts a token picks: ``balanced`` (k at random, each as often) or ``contiguous`` (token t to experts t·k ..
     t·k+k-1: NeMo AutoModel's fake balanced gate)."""
+    head_stage: bool = False
+    """Pipeline stages as NeMo AutoModel splits them for torch's pipelining: the layers evenly over pp x virtual chunks,
+    one more to each of the first (the remainder), the output layer on the last; the rank with the most work paces the
+    step. False: every rank an even share of the model's work."""
 
     def __post_init__(self):
         for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS), ("recompute",
@@ -312,7 +316,12 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         shuffles = SHUFFLE_BYTES[sorts] * model.top_k * h * (1 - model.dense_layers / L)
         ew_bytes += (3 + layer_rerun) * shuffles / (st.tp if etp == 1 and st.sp else 1)
     elementwise = tokens / sdp * (L / st.pp) * ew_bytes / (acc.hbm_bw * acc.mem_eff)
-    compute = matmul + elementwise
+    compute, pace = matmul + elementwise, 1.0
+    if st.head_stage and st.pp > 1:  # the fullest rank's layers, the output layer's products as layers' work, / the mean
+        chunks, head = st.pp * st.virtual, 6.0 * model.vocab * h / ((fpt - 6.0 * model.vocab * h) / L)
+        per = [L // chunks + (c < L % chunks) for c in range(chunks)]
+        pace = max(sum(per[r::st.pp]) + head * (r == (chunks - 1) % st.pp) for r in range(st.pp)) * st.pp / (L + head)
+        compute *= pace
 
     # tensor parallel: 4 collectives of b·s·h bf16 per layer per micro-batch (+2 under full recompute;
     # under block +1, the attention's, as the MLP's reduction follows the down projection, which is not
@@ -521,6 +530,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
          "copies + gradients" + (" + the stage's whole gradients" if kept else " + a layer's gradient in 16 and 32 bits"
                                  if st.zero == 3 else "") + "; gradients" + (" + the foreach temporary" if st.foreach
                                                                              else "") + f") = {g(total)} B")]
+    if pace > 1:
+        formulas.insert(2, f"pipeline split (AutoModel's): the fullest rank's layers and output layer over the mean "
+                           f"rank's paces the step: compute x{pace:.3f}")
     if st.cp > 1:
         formulas.insert(4, f"context parallel = {4 if layer_rerun else 3} collectives of the keys and values x "
                            f"{layers_here} layers x {m} micro-batches over {st.cp} ranks = {g(cp_comm)} s, exposed "
