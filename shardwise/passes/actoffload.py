@@ -106,4 +106,3 @@ def apply(gm: fx.GraphModule, names, node_s: Callable[[fx.Node], float], fetch_s
         g.lint()
         gm.recompile()
     return done
-

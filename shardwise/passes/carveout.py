@@ -37,7 +37,6 @@ TILE = 128 * 128
 """Output elements per block of a Hopper cuBLAS product (128 x 128 tiles and up): a product with at
 least one tile per SM is taken to fill every SM (persistent kernels keep them until they end)."""
 
-
 COMM_SMS = 32
 """SMs a collective's kernels need to run at full speed beside a product. Sitting 7 (2xH200): NCCL's
 all-gather and reduce-scatter kernels launch 24 blocks, yet the MoE's gathers ran 1.6x longer beside

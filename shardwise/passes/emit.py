@@ -56,10 +56,8 @@ def fake(shape, dtype, device) -> torch.Tensor:
 def collective(kind: str, full_bytes: int, ranks: int, phase: str, params=(), axis: str = "dp",
                reason: str = "") -> Collective:
     """The ``Collective`` of one start node (ring bytes from the cost model's bus factor)."""
-    if isinstance(params, str):
-        params = (params,)
-    return Collective(kind, full_bytes, sent_bytes(kind, full_bytes, ranks), ranks, axis, phase, tuple(params or ()),
-                      reason)
+    params = (params,) if isinstance(params, str) else tuple(params or ())
+    return Collective(kind, full_bytes, sent_bytes(kind, full_bytes, ranks), ranks, axis, phase, params, reason)
 
 
 def retrace(gm: fx.GraphModule, local_shape) -> None:
@@ -109,9 +107,8 @@ def restore_topological_order(g: fx.Graph) -> bool:
 
 
 def cast(g: fx.Graph, x: fx.Node, dtype: torch.dtype | None) -> fx.Node:
-    if dtype is None or val(x).dtype == dtype:
+    if dtype is None or (v := val(x)).dtype == dtype:
         return x
-    v = val(x)
     return node(g, aten._to_copy.default, (x,), fake(v.shape, dtype, v.device), dtype=dtype)
 
 
@@ -123,8 +120,7 @@ def contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
 
 def reshape(g: fx.Graph, x: fx.Node, shape: Iterable[int]) -> fx.Node:
     shape = list(shape)
-    v = val(x)
-    if list(v.shape) == shape:
+    if list((v := val(x)).shape) == shape:
         return x
     return node(g, aten.view.default, (contiguous(g, x), shape), fake(shape, v.dtype, v.device))
 

@@ -21,8 +21,7 @@ a ZeRO strategy the other parameters are cut over ep too (``_shard_shared``): Ze
 Hugging Face experts (``use_experts_implementation``) sort their pairs by expert into groups whose sizes follow the
 routing, which no static graph rewrite can move: they are split as the step is traced instead (``hf_forwards``),
 dropless, and the traced collectives named after (``finish_traced``); on a mesh with tp, its last step (``finish_local``)
-waits for the tp partition, which passes those collectives through (sharding/rules/collectives.py).
-"""
+waits for the tp partition, which passes those collectives through (sharding/rules/collectives.py)."""
 
 from __future__ import annotations
 

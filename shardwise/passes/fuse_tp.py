@@ -14,8 +14,7 @@ graph, forward and backward alike, become one op each (runtime/ops.py):
 Each site runs ``plain`` (left as it is), ``ring`` (the decomposed path, kernels/ring.py) or ``kernel`` (the Triton
 kernels; all-gather and reduce-scatter, CUDA): the one the cost model predicts fastest (costmodel/fused.py), unless it
 gains less than ``FUSE_TIE`` over plain, or the one ``mode`` forces. ``explain`` prints each site's choice and
-predictions.
-"""
+predictions."""
 
 from __future__ import annotations
 
@@ -79,16 +78,14 @@ def sites(gm: fx.GraphModule, names: dict | None = None) -> list[tuple[fx.Node, 
         if "tp_moved" not in n.meta:
             continue
         src, dim, group, c = n.meta["tp_moved"]
-        x = nodes.get(src)
-        if x is None:
+        if (x := nodes.get(src)) is None:
             continue
         if c.kind == "all_gather":
             mms = _readers(n)
             if dim == n.meta["val"].dim() - 1 or not mms:
                 continue
         else:
-            found = _product_of(x)
-            if found is None:
+            if (found := _product_of(x)) is None:
                 continue
             mms = [found[0]]
         v = mms[0].args[0].meta["val"]

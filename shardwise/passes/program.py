@@ -162,12 +162,11 @@ def cast_placeholders(gm: fx.GraphModule, phs: list[fx.Node], store_dtype: torch
         v = ph.meta["val"]
         if not v.is_floating_point() or v.dtype == store_dtype:
             continue
-        compute = v.dtype
         ph.meta["val"] = emit.fake(v.shape, store_dtype, v.device)
         if not ph.users:
             continue
         with g.inserting_before(ph.next):
-            c = emit.cast(g, ph, compute)
+            c = emit.cast(g, ph, v.dtype)  # back to the compute dtype it was traced in
         replace_uses(ph, c, {c})
 
 

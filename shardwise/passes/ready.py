@@ -35,4 +35,3 @@ def insert(prog: Program, names: frozenset) -> int:
         g.lint()
         prog.gm.recompile()
     return done
-

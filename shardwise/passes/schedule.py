@@ -10,8 +10,7 @@ A list scheduler over the program's node order, in the spirit of XLA's latency-h
   oldest outstanding collective to be waited for earlier.
 
 Deterministic in the input graph and the cap, so every rank issues the same collectives in the same
-order (DESIGN.md invariant 2), pinned in the graph's node order, which the FX executor follows.
-"""
+order (DESIGN.md invariant 2), pinned in the graph's node order, which the FX executor follows."""
 
 from __future__ import annotations
 

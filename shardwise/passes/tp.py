@@ -13,8 +13,7 @@ The plan seeds parameters' placements (``tp_plan``); propagation places every ot
    fake inputs.
 
 The result is a Capture of the tp-local step, its parameters the tp shards, which the data-parallel strategy passes then
-shard as they would a single device's (ZeRO-3 shards the tp shard over dp).
-"""
+shard as they would a single device's (ZeRO-3 shards the tp shard over dp)."""
 
 from __future__ import annotations
 
@@ -338,11 +337,10 @@ def _fused_blocks(mm: fx.Node) -> int:
                 return len(sizes)
             return 1
         gate = u.target is aten.mul.Tensor and all(a is n or _gate(a) for a in u.all_input_nodes)  # experts' masks
-        if (gate or u.target in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default)) \
-                and u.meta["val"].shape[-1] == last:
-            n = u
-            continue
-        return 1
+        if not (gate or u.target in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default,
+                                     aten.reshape.default)) or u.meta["val"].shape[-1] != last:
+            return 1
+        n = u
     return 1
 
 
@@ -360,9 +358,8 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
     ``weigh(with, without)`` (the two plans; see ``head_choice``) keeps it so; the others stay whole. An untied
     embedding of the batch's tokens (not positions) is cut by rows (vocab-parallel) where a ``weigh`` keeps that so."""
     gm, g, phs, names = _prepared(cap)
-    batch = set(phs[cap.n_params + len(cap.buffer_names):])
     fwd = forward_nodes(gm)
-    activation = set(batch)
+    activation = set(phs[cap.n_params + len(cap.buffer_names):])  # the batch, then what it reaches
     for n in g.nodes:
         if n.op == "call_function" and any(a in activation for a in n.all_input_nodes):
             activation.add(n)
@@ -431,8 +428,7 @@ def megatron_plan(cap: Capture, ranks: int = 2, weigh=None) -> dict[str, object]
         if not hit:
             break
         for row, cols in list(rows.items()):
-            lost = cols & hit
-            if not lost:
+            if not (lost := cols & hit):
                 continue
             gone = lost if lost != cols and not (bad & {row}) else (row, *cols)
             for c in gone:

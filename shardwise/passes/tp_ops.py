@@ -9,8 +9,7 @@ log-softmax and loss on class shards (a vocab-parallel head, as Megatron's).
 - ``nll_loss_forward``/``nll_loss_backward`` on classes in shards: each rank picks (and gives the gradient
   to) the targets among its classes (``tp_index_<classes>``); the loss is a partial sum, the count whole.
 - ``embedding`` of a table cut by rows (vocab-parallel): each rank looks up the tokens among its rows
-  and gives zeros for the others, a partial sum; its backward adds those tokens' gradients alone.
-"""
+  and gives zeros for the others, a partial sum; its backward adds those tokens' gradients alone."""
 
 from __future__ import annotations
 

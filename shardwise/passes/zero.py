@@ -7,8 +7,7 @@
 - zero3: a parameter enters the graph only as this rank's shard, all-gathered right before its first
   forward use, dead after its last. Backward users get a gather of their own and their own copy of
   the view/cast chain built on the gathered weight (the ops the op registry marks ``chain``, e.g.
-  ``t(W)``), so no gathered weight lives from forward into backward.
-"""
+  ``t(W)``), so no gathered weight lives from forward into backward."""
 
 from __future__ import annotations
 

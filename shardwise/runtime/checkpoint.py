@@ -145,9 +145,8 @@ def _holdings(job, name: str, t: torch.Tensor) -> list[tuple[torch.Size, torch.T
 def _sharded(job, name: str, t: torch.Tensor):
     """``t`` (held as parameter ``name`` is) as this rank's part of the whole tensor: a DTensor over the dp axis, or
     ``Pieces`` under a tp axis or off the mesh's device (offloaded state, which a DTensor would copy to the device)."""
-    if job.state.tp is None and t.device.type == job.mesh.device.type:
-        return _dtensor(job, name, t)
-    return Pieces(_whole(job, name), _holdings(job, name, t))
+    return (_dtensor(job, name, t) if job.state.tp is None and t.device.type == job.mesh.device.type
+            else Pieces(_whole(job, name), _holdings(job, name, t)))
 
 
 def _copy_in(job, name: str, dest: torch.Tensor, loaded) -> None:
@@ -163,9 +162,8 @@ def _copy_in(job, name: str, dest: torch.Tensor, loaded) -> None:
 def _real(job, name: str, t: torch.Tensor) -> torch.Tensor:
     """This rank's rows of parameter ``name``'s (or its state's) whole value: the shard without padding."""
     lay = job.layouts[name]
-    if job.strategy == "ddp":
-        return t.reshape(lay.shape2)
-    return t[:max(0, min(lay.rows, lay.shape2[0] - job.mesh.rank("dp") * lay.rows))]
+    return (t.reshape(lay.shape2) if job.strategy == "ddp"
+            else t[:max(0, min(lay.rows, lay.shape2[0] - job.mesh.rank("dp") * lay.rows))])
 
 
 def _dtensor(job, name: str, t: torch.Tensor) -> DTensor:
@@ -374,14 +372,13 @@ def _check(job, path: str) -> dict:
                  f"the checkpoint has {extra[:4]} the model lacks" if extra else "",
                  "shapes differ: " + ", ".join(f"{n} {saved[n]} saved, {mine[n]} here" for n in wrong[:4]) if wrong else ""]
         raise CheckpointError(f"the checkpoint at {path!r} is of another model: " + "; ".join(p for p in parts if p))
-    optim_keys = [k.split(".", 1)[1] for k in items if k.startswith("optim.")]
-    sharded = {k.split(".", 1)[1] for k, v in items.items() if k.startswith("optim.")
-               and isinstance(v, TensorStorageMetadata) and len(v.size) > 0}
     if not isinstance(items.get("meta"), BytesStorageMetadata):
         raise CheckpointError(f"the directory {path!r} holds a DCP checkpoint that shardwise did not write "
                               "(no job metadata)")
-    return {"optim_keys": optim_keys, "sharded_keys": sharded, "top": {k.split(".")[0] if not k.startswith("rng.")
-                                                                        else k for k in items}}
+    sharded = {k.split(".", 1)[1] for k, v in items.items() if k.startswith("optim.")
+               and isinstance(v, TensorStorageMetadata) and len(v.size) > 0}
+    return {"optim_keys": [k.split(".", 1)[1] for k in items if k.startswith("optim.")], "sharded_keys": sharded,
+            "top": {k if k.startswith("rng.") else k.split(".")[0] for k in items}}
 
 
 def _publish(tmp: str, path: str) -> None:

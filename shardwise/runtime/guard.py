@@ -8,8 +8,7 @@ apart with no error) or would fail deep in a kernel (zero3: "Tensor on device me
 - calling ``job.model`` with gradients enabled outside the job's own tracing raises, saying to use
   ``job.step``; so does any call while it holds no weights (meta). Evaluation under ``torch.no_grad()``
   of a model that keeps its weights (ddp, fp32 zero1/2) works as always;
-- ``job.optimizer.step()`` outside ``job.step`` raises likewise.
-"""
+- ``job.optimizer.step()`` outside ``job.step`` raises likewise."""
 
 from __future__ import annotations
 

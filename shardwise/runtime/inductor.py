@@ -59,4 +59,3 @@ def _keep_order() -> dict:
 
 KEEP_ORDER = _keep_order()
 """inductor settings that would reorder the scheduled graph, turned off (those this torch has)."""
-

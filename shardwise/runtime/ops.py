@@ -27,8 +27,7 @@ products.
 
 **Readiness** (passes/ready.py, runtime/update.py, runtime/offload.py): ``ReadyWork`` and
 ``HostReadyWork`` are works registered on a tensor; the graph's ``wait_tensor`` on it waits for them.
-**keep_alive** (passes/schedule.py): a no-op that holds a collective's input until its wait.
-"""
+**keep_alive** (passes/schedule.py): a no-op that holds a collective's input until its wait."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ The update runs one of three ways:
 - overlapped (``overlap_update``, zero3 with the state on the device): about 16 chunks of equal bytes
   in the order the step program first reads the parameters, on CUDA on a stream of its own. The step
   returns before the update ends; the next graph's readiness waits (passes/ready.py) wait per chunk,
-  so the next forward starts while later chunks are updated.
-"""
+  so the next forward starts while later chunks are updated."""
 
 from __future__ import annotations
 

@@ -150,8 +150,7 @@ class Watchdog:
         for r in range(self.world):
             if r == self.rank:
                 continue
-            st = statuses.get(r)
-            if st is None:
+            if (st := statuses.get(r)) is None:
                 parts.append(f"rank {r} never reported (it did not start, or died before its first beat)")
                 continue
             quiet = now - st["beat"]
