@@ -378,6 +378,8 @@ def _plan_parser(sub) -> None:
                    help="rank numbering, innermost first: Megatron-LM's (default) or Megatron-Core's")
     p.add_argument("--reduce-fp32", action="store_true", help="gradients kept and reduced in fp32")
     p.add_argument("--unfused-attention", action="store_true", help="no flash kernel: the scores kept for the backward")
+    p.add_argument("--attention", choices=["triton-2022"], default=None, help="the attention kernel, where not the "
+                   "device's own flash attention: triton-2022 (MosaicML MPT's Triton FlashAttention, attn_impl: triton)")
     p.add_argument("--eager", action="store_true",
                    help="the stack runs PyTorch eagerly: a rotary model's norms and rotary embedding unfused")
     p.add_argument("--stack", choices=["megatron", "torch", "torch-autocast"], default="megatron",

@@ -111,8 +111,8 @@ def test_predictions_hold_the_published_runs_within_10pct():
     # measured product and attention rates), MaxText's 32B (v5p's)
     # and 16B (v5e's), MaxText's 64B on 2 and 32 v5e slices (the data-center spine), torchtitan's eager
     # 8-GPU run (eager norms and rotary embedding), NeMo's Llama 3 70B in FP8 (TE's FP8 share), torchtitan's 8-GPU
-    # Float8 run (torchao's)
-    assert len(kor) == 8 and sum(r["fitted"] for r in rows) == 10
+    # Float8 run (torchao's), llm-foundry's MPT 1B at 3x8192 on 8 H100s and on 8 A100s (the triton-2022 attention's)
+    assert len(kor) == 8 and sum(r["fitted"] for r in rows) == 12
     for r in kor:
         assert abs(r["error"]) <= 0.10, r
     # vTrain's fastest configurations, blind: the three large models within 10% (the 3.6B one is 27%
@@ -551,6 +551,35 @@ def test_an_eager_stack_moves_more_bytes_through_a_rotary_models_norms(capsys):
     assert "rotary embedding unfused" in capsys.readouterr().out
 
 
+def test_a_named_attention_kernel_runs_its_executed_flops_at_its_rate(capsys):
+    """MPT's Triton FlashAttention (llm-foundry's attn_impl: triton): the causal half of PaLM's 12·L·d·T a token at the
+    kernel's rate on the device, the rest of the products at the device's share; known on A100s and H100s only."""
+    from shardwise.cli import main
+    from shardwise.costmodel.devices import ATTENTION_KERNELS
+
+    mpt = ModelSpec("mpt-1b-8k", 24, 2048, 16, 16, 8192, 50368, seq=8192, gated=False, tied=True, bias=True,
+                    learned_positions=8192)
+    st = Strategy(zero=3, micro_batch=3, global_batch=96, seq=8192, recompute="none")
+    for name in ("dgx-h100:1", "dgx-a100-40gb:1"):
+        c = cluster(name)
+        flash, triton = estimate(mpt, c, st), estimate(mpt, c, dataclasses.replace(st, attention="triton-2022"))
+        attn, acc = 12.0 * mpt.layers * mpt.q_dim * 8192, c.accel
+        per_gpu = 96 * 8192 / 8 * (7 / 12 * attn / ATTENTION_KERNELS["triton-2022"][acc.name]
+                                   - attn / (acc.peak_flops * acc.efficiency(mpt.hidden)))
+        assert triton.compute_s - flash.compute_s == pytest.approx(per_gpu, rel=1e-9) and per_gpu > 0
+    assert any("triton-2022 attention at 160" in f for f in estimate(mpt, cluster("dgx-h100:1"), dataclasses.replace(
+        st, attention="triton-2022")).formulas)
+    with pytest.raises(ValueError, match="known on h100.*not H200"):
+        estimate(mpt, cluster("dgx-h200:1"), dataclasses.replace(st, attention="triton-2022"))
+    with pytest.raises(ValueError, match="unfused attention"):
+        Strategy(attention="triton-2022", fused_attention=False)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Strategy(attention="xformers")
+    main(["plan", "--model", "llama3-8b", "--cluster", "dgx-a100:1", "--zero", "3", "--attention", "triton-2022",
+          "--explain"])
+    assert "triton-2022 attention at 88" in capsys.readouterr().out
+
+
 def test_per_op_checkpointing_reruns_sequence_parallel_all_gathers():
     """torchtitan's per-op policy saves products' and reduce-scatters' outputs, not all-gathers': with sequence
     parallelism the backward regathers the attention's and the MLP's inputs (half an all-reduce each); without it,
@@ -643,7 +672,7 @@ def test_validation_summary_counts():
 
     rows = table()
     blind = [r for r in rows if not r["fitted"]]
-    assert (len(rows), len(blind)) == (156, 146)
+    assert (len(rows), len(blind)) == (156, 144)
     # 62 of 89 before the spine and the eager term, 70 before the H200's measured rates, 69 of 86 before the FP8 rows
     # (bench/results/2026-12-06-plan-fp8.md: NeMo's 12 blind ones all within 10%), 82 of 106 while torchtitan's Float8
     # rows ran Transformer Engine's recipe (7 misses, 7.5-54% fast); as torchao's (fitted on Table 1,
@@ -657,10 +686,11 @@ def test_validation_summary_counts():
     # 2025 H200 file (Trainy: Llama 3.1 8B Float8 on 32 and 64 H200s, -4.1% and -5.8%), 102 of 128 before its async-TP
     # file (8 rows: 70B on 256 within but bf16 async TP, -13.3%; 8B on 64 with TP 8, 15-28% fast), 105 of 136 before
     # llm-foundry's A100 40GB table (10 rows by its rule, 5 within; 70B on 64 -33%), 110 of 146 before AutoModel's
-    # pipeline split (Kimi K2 -17.6% to -8.0%: the 163,840-word output layer on the last of 8 ranks)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 111
+    # pipeline split (Kimi K2 -17.6% to -8.0%: the 163,840-word output layer on the last of 8 ranks), 111 of 146 before
+    # MPT's Triton attention had its own rate (two of its rows fitted; llm-foundry's 28 others 15 -> 20 within)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 116 and 116 / 144 >= 0.80
     forty = [r for r in rows if "A100 40GB" in r["run"]]
-    assert len(forty) == 10 and sum(abs(r["error"]) <= 0.10 for r in forty) == 5
+    assert len(forty) == 10 and sum(abs(r["error"]) <= 0.10 for r in forty) == 7
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
     assert len(titan8) == 8 and sum(r["fitted"] for r in titan8) == 1
     assert [r["run"] for r in titan8 if abs(r["error"]) > 0.10] == [r["run"] for r in titan8 if "CP 4" in r["run"]

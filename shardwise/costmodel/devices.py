@@ -48,6 +48,14 @@ again to cast it (2 + 2), and writes it and its transpose for the other product 
 HOPPER_ATTENTION = {2048: 393, 4096: 483, 8192: 537}
 """Causal flash attention (SDPA, forward + backward, head dim 128) on one H200 by sequence, TFLOP/s executed (the
 causal half), the mean over 16, 32 and 64 heads (the same file)."""
+TRITON_2022_H100, TRITON_2022_A100 = 159.5e12, 88.0e12
+ATTENTION_KERNELS = {"triton-2022": {"h100": TRITON_2022_H100, "h100-hbm2e": TRITON_2022_H100,
+                                     "a100": TRITON_2022_A100, "a100-40gb": TRITON_2022_A100}}
+"""Attention kernels other than a device's own flash attention, FLOP/s (executed: the causal half) a whole step holds,
+by kernel and device, each fitted on one run only. ``triton-2022``: the Triton FlashAttention of 2022 that MosaicML's MPT
+runs (llm-foundry's ``attn_impl: triton``, its benchmark tables' default); fitted on MPT 1B at 3x8192 tokens on 8 H100s
+and on 8 A100 80GB (the A100 40GB has the same SMs). Over all 191 rows of those BF16 tables (8-128 GPUs, sequences
+512-65,536) it takes the planner from 62 within 10% to 127 (bench/results/2026-12-07-plan-attention-kernel.md)."""
 PEAK_REF = 989e12
 """The datasheet peak of the H200 the tables were measured on: a device of another peak scales them by its own."""
 
@@ -134,6 +142,14 @@ class Device:
             return None
         xs = sorted(self.attention)
         return _log_interp(seq, xs, [self.attention[x] for x in xs]) * self.scale()
+
+    def kernel_rate(self, kernel: str) -> float:
+        """FLOP/s (executed) a whole step holds on attention by ``kernel`` (``ATTENTION_KERNELS``) on this device."""
+        rate = ATTENTION_KERNELS[kernel].get(self.name)
+        if rate is None:
+            raise ValueError(f"attention {kernel}: its rate is known on {', '.join(ATTENTION_KERNELS[kernel])}, not "
+                             f"{self.label}; leave --attention out to plan the device's own flash attention")
+        return rate * self.clock
 
     def scale(self, share: float | None = None) -> float:  # a measured table's TFLOP/s to this device's in a step
         return 1e12 * self.clock * (share or self.eff_max) * self.peak_flops / PEAK_REF

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..costmodel.devices import FP8_CAST_BYTES, FP8_EFF_MAX
+from ..costmodel.devices import ATTENTION_KERNELS, FP8_CAST_BYTES, FP8_EFF_MAX
 from ..costmodel.optimizer import PASSES, update_time
 from .clusters import ClusterSpec
 from .models import EAGER_BYTES, TORCH_ACTIVATIONS, ModelSpec
@@ -160,6 +160,9 @@ class Strategy:
     routing: str = "balanced"
     """Experts a token picks: ``balanced`` (k at random, each as often) or ``contiguous`` (token t to experts t·k ..
     t·k+k-1: NeMo AutoModel's fake balanced gate)."""
+    attention: str | None = None
+    """The attention kernel where it is not the device's own flash attention (``ATTENTION_KERNELS``): ``triton-2022``,
+    the Triton FlashAttention that MosaicML's MPT runs. Its executed FLOPs at that kernel's rate on the device."""
     head_stage: bool = False
     """Pipeline stages as NeMo AutoModel splits them for torch's pipelining: the layers evenly over pp x virtual chunks,
     one more to each of the first (the remainder), the output layer on the last; the rank with the most work paces the
@@ -167,7 +170,7 @@ class Strategy:
 
     def __post_init__(self):
         for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS), ("recompute",
-                         RECOMPUTE), ("fp8", FP8_RECIPES), ("dispatch", DISPATCHES), ("routing", ROUTINGS)):
+                         RECOMPUTE), ("fp8", FP8_RECIPES), ("dispatch", DISPATCHES), ("routing", ROUTINGS), ("attention", (None, *ATTENTION_KERNELS))):
             if getattr(self, k) not in kinds:
                 raise ValueError(f"{k} must be one of {', '.join(map(str, kinds))}, got {getattr(self, k)!r}")
         if not self.capacity >= 1.0:
@@ -180,6 +183,9 @@ class Strategy:
         if self.fp8 and self.efficiency is not None:
             raise ValueError("fp8 with a given efficiency: the efficiency is a share of the bf16 peak and would replace "
                              "the FP8 rates; give one of them")
+        if self.attention and (self.efficiency is not None or not self.fused_attention):
+            raise ValueError(f"attention={self.attention} rates a fused kernel's FLOPs: it cannot go with "
+                             + ("a given efficiency" if self.fused_attention else "unfused attention"))
         if self.shard is not None and (self.shard < 1 or self.zero == 0):
             raise ValueError(f"shard={self.shard}: a sharding group needs zero >= 1 and at least one rank")
 
@@ -279,12 +285,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         pad += 2.0 * h * st.capacity * seq * model.top_k * (L - model.dense_layers) * (5 + 2 * layer_rerun)
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
     matmul = tokens * (fpt + extra + pad) / gpus / (acc.peak_flops * eff)
-    attn_rate = acc.attention_rate(seq) if st.efficiency is None and st.fused_attention else None
+    attn_rate = ((acc.kernel_rate(st.attention) if st.attention else acc.attention_rate(seq))
+                 if st.efficiency is None and st.fused_attention else None)
     rated: list[str] = []
-    if st.efficiency is None and (acc.products is not None or st.fp8):
+    if st.efficiency is None and (acc.products is not None or st.fp8 or st.attention):
         # measured rates: the products at their shape's (width, tp, tokens per micro-batch), flash attention at its
-        # sequence's, on the FLOPs it executes (the causal half: 7·d·T a token and layer of PaLM's 12, and half of
-        # a rerun forward's 4); unmeasured, at the products' bf16 rate on PaLM's count
+        # sequence's (or a named kernel at its rate), on the FLOPs it executes (the causal half: 7·d·T a token and layer
+        # of PaLM's 12, and half of a rerun forward's 4); unmeasured, at the products' bf16 rate on PaLM's count
         attn = 12.0 * L * model.q_dim * (min(seq, model.window) if model.window else seq)
         attn_rerun = {"selective": 4.0 * L * model.q_dim * seq, "block": 4.0 * L * model.q_dim * seq,
                       "full": attn / 3.0}.get(st.recompute, 0.0)
@@ -298,7 +305,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s (" + (
                      f"{acc.eff_max} of the rate measured at width {h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)"
                      if acc.products else "the accelerator's fitted share)")
-                 + (f", flash attention at {attn_rate / 1e12:.0f} (executed FLOPs)" if attn_rate else "")
+                 + (f", {st.attention or 'flash'} attention at {attn_rate / 1e12:.0f} (executed FLOPs)" if attn_rate else "")
                  + (f", the layers' FP8 products at {frate / 1e12:.0f} ({FP8_EFF_MAX[st.fp8]} of their FP8 rate, "
                     f"{st.fp8})" if st.fp8 else "") + f": {eff:.3f} of peak",
                  f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate + attention "
