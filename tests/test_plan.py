@@ -120,12 +120,11 @@ def test_predictions_hold_the_published_runs_within_10pct():
     vt = {r["run"].split()[0]: r for r in rows if r["source"] == "vtrain"}
     for size in ("3.6B", "18.4B", "39.1B", "175B"):
         assert abs(vt[size]["error"]) <= 0.10, vt[size]
-    # our two-H200 runs (ZeRO-3, and weights gathered once), blind on the calibrated NVLink figures: the second
-    # within 10%; shardwise's ZeRO-3 of that sitting 12.6% fast (with the multi-tensor update counted, a step that
-    # halves it on two GPUs measured 6 ms slower than one GPU's: bench/results/2026-12-05-plan-measured-rates.md)
+    # our two-H200 runs (ZeRO-3, and weights gathered once), blind on the calibrated NVLink figures, both within 10%
+    # with the copies of shardwise's buckets counted (--framework shardwise; ZeRO-3 was 12.6% fast without them)
     ours = {"once" in r["run"]: r for r in rows if r["source"] == "ours_h200x2"}
     assert len(ours) == 2 and not any(r["fitted"] for r in ours.values())
-    assert abs(ours[True]["error"]) <= 0.10 and -0.15 < ours[False]["error"] < -0.10, ours
+    assert all(abs(r["error"]) <= 0.10 for r in ours.values()), ours
     # the 8B shape on the same two GPUs, blind, with and without per-block checkpointing (planned as
     # "block": the layer's forward but its down projection; as "full", a whole forward, shardwise's
     # checkpointed step was 12.5% slow)
@@ -687,8 +686,9 @@ def test_validation_summary_counts():
     # file (8 rows: 70B on 256 within but bf16 async TP, -13.3%; 8B on 64 with TP 8, 15-28% fast), 105 of 136 before
     # llm-foundry's A100 40GB table (10 rows by its rule, 5 within; 70B on 64 -33%), 110 of 146 before AutoModel's
     # pipeline split (Kimi K2 -17.6% to -8.0%: the 163,840-word output layer on the last of 8 ranks), 111 of 146 before
-    # MPT's Triton attention had its own rate (two of its rows fitted; llm-foundry's 28 others 15 -> 20 within)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 116 and 116 / 144 >= 0.80
+    # MPT's Triton attention had its own rate (two of its rows fitted; llm-foundry's 28 others 15 -> 20 within), 116
+    # before shardwise's bucket copies were counted (its ZeRO-3 on two H200s -12.6% to -8.1%)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 117 and 117 / 144 >= 0.80
     forty = [r for r in rows if "A100 40GB" in r["run"]]
     assert len(forty) == 10 and sum(abs(r["error"]) <= 0.10 for r in forty) == 7
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
@@ -1037,11 +1037,14 @@ def test_fsdp2s_copies_and_a_multi_tensor_update_cost_time_and_explain_says_so()
     assert fsdp2.compute_s - base.compute_s == pytest.approx(per_param * m.params() / (c.accel.hbm_bw * c.accel.mem_eff))
     assert fsdp2.step_s > base.step_s and any("FSDP2's copy-in and copy-out kernels" in f for f in fsdp2.formulas)
     assert not any("FSDP2" in f for f in base.formulas)
+    # shardwise's buckets copy alike (passes/bucket.py: shards concatenated in, members' rows copied out of the grid)
+    ours = estimate(m, c, dataclasses.replace(st, framework="shardwise"))
+    assert ours.compute_s == fsdp2.compute_s and any("shardwise's copy-in" in f for f in ours.formulas)
     # the multi-tensor AdamW passes over the fp32 state 20 times where the fused kernel does 7
     foreach = estimate(m, c, dataclasses.replace(st, foreach=True))
     assert foreach.optimizer_s / base.optimizer_s == pytest.approx(20 / 7) and foreach.compute_s == base.compute_s
     assert any(f.startswith("optimizer (multi-tensor AdamW) = 80 B x") for f in foreach.formulas)
-    with pytest.raises(ValueError, match="framework must be one of None, fsdp2"):
+    with pytest.raises(ValueError, match="framework must be one of None, fsdp2, shardwise"):
         Strategy(framework="fsdp1")
 
 

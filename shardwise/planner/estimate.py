@@ -9,7 +9,7 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
   attention were measured by shape (the H200), at a fitted share of those rates (the products' at the layer's width, tp
   and tokens per micro-batch; attention's at the sequence, on the FLOPs it executes), plus the memory-bound kernels'
   bytes (norms, activations, residual adds, unfused attention scores: models.ModelSpec.elementwise_bytes) at its share
-  of HBM bandwidth, and the framework's own kernels (FSDP2's copy-in and copy-out);
+  of HBM bandwidth, and the framework's own kernels (FSDP2's copy-in and copy-out, shardwise's alike);
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the forward and two in the
   backward (four all-gathers / reduce-scatters with sequence parallelism, the same bytes), two more under full
   recomputation (block: one, 1.5 with sequence parallelism, where the rerun MLP input is all-gathered again); not
@@ -51,7 +51,7 @@ from .timeline import LayerCosts, zero3_step
 RECOMPUTE = ("none", "selective", "selective-op", "block", "full")
 RANK_ORDERS = ("tp-pp-dp", "tp-ep-dp-pp")
 STACKS = ("megatron", "torch", "torch-autocast")
-FRAMEWORKS = (None, "fsdp2")
+FRAMEWORKS = (None, "fsdp2", "shardwise")
 FP8_RECIPES = (None, "te", "torchao")
 DISPATCHES, ROUTINGS = ("alltoall", "deepep"), ("balanced", "contiguous")
 DP_EXPOSED = 0.1
@@ -151,7 +151,8 @@ class Strategy:
     framework: str | None = None
     """Whose data-parallel runtime, where it costs time of its own (``FRAMEWORKS``): ``fsdp2`` copies
     each gathered weight out of the all-gather's buffer and each gradient into the reduce-scatter's
-    (its copy-in/copy-out kernels, by bytes). None: none counted (Megatron, MaxText, shardwise)."""
+    (its copy-in/copy-out kernels, by bytes); ``shardwise`` copies alike in its buckets (passes/bucket.py). None: none
+    counted (Megatron, MaxText)."""
     dispatch: str = "alltoall"
     """MoE tokens to their experts: ``alltoall`` (each routed copy sent: Megatron's dispatcher, shardwise's) or
     ``deepep`` (DeepEP: once to each rank holding one of its experts; across nodes once to each node, then NVLink)."""
@@ -388,11 +389,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
     group = lambda n: n if st.shard is None else min(st.shard, n)  # noqa: E731 - a dp axis of n ranks' sharding group
 
-    # the framework's own kernels on the compute lane: FSDP2 per micro-batch copies each gathered 16-bit
+    # the framework's own kernels on the compute lane: FSDP2 (and shardwise's buckets) per micro-batch copies each 16-bit
     # weight out of the all-gather's buffer (read and write: 4 B), casts this rank's fp32 shard into it
     # (6 B over the group) and copies each 16-bit gradient into the reduce-scatter's buffer (2 + gbytes)
     framework = 0.0
-    if st.framework == "fsdp2" and st.zero >= 1:
+    if st.framework and st.zero >= 1:
         gathers = 2 if st.zero == 3 else 1  # ZeRO-3 gathers again for the backward
         framework = m * shard_params * (gathers * (4.0 + 6.0 / group(sdp)) + 2.0 + gbytes) / (acc.hbm_bw * acc.mem_eff)
         compute += framework
@@ -506,7 +507,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
            if st.eager and not model.learned_positions else "")
         + (f" (with the MoE layers' token shuffles, {SHUFFLE_BYTES[sorts]}·k·d a forward)" if model.experts > 1 else "")
         + f" / ({g(acc.hbm_bw)} B/s · {acc.mem_eff}) "
-        f"= {g(elementwise)} s" + (f"; FSDP2's copy-in and copy-out kernels {g(framework)} s" if framework else "")
+        f"= {g(elementwise)} s"
+        + (f"; {'FSDP2' if st.framework == 'fsdp2' else st.framework}'s copy-in and copy-out kernels {g(framework)} s"
+           if framework else "")
         + f"; compute = {g(compute)} s",
         f"tensor parallel = {per_layer:g} collectives x {layers_here} layers"
         + (f" (the attention's half alone in {moe_here:g} MoE layers of whole experts)" if moe_here else "")
