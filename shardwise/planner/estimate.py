@@ -171,7 +171,8 @@ class Strategy:
 
     def __post_init__(self):
         for k, kinds in (("framework", FRAMEWORKS), ("stack", STACKS), ("rank_order", RANK_ORDERS), ("recompute",
-                         RECOMPUTE), ("fp8", FP8_RECIPES), ("dispatch", DISPATCHES), ("routing", ROUTINGS), ("attention", (None, *ATTENTION_KERNELS))):
+                         RECOMPUTE), ("fp8", FP8_RECIPES), ("dispatch", DISPATCHES), ("routing", ROUTINGS),
+                         ("attention", (None, *ATTENTION_KERNELS))):
             if getattr(self, k) not in kinds:
                 raise ValueError(f"{k} must be one of {', '.join(map(str, kinds))}, got {getattr(self, k)!r}")
         if not self.capacity >= 1.0:
@@ -306,7 +307,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s (" + (
                      f"{acc.eff_max} of the rate measured at width {h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)"
                      if acc.products else "the accelerator's fitted share)")
-                 + (f", {st.attention or 'flash'} attention at {attn_rate / 1e12:.0f} (executed FLOPs)" if attn_rate else "")
+                 + (f", {st.attention or 'flash'} attention at {attn_rate / 1e12:.0f} (executed FLOPs)"
+                    if attn_rate else "")
                  + (f", the layers' FP8 products at {frate / 1e12:.0f} ({FP8_EFF_MAX[st.fp8]} of their FP8 rate, "
                     f"{st.fp8})" if st.fp8 else "") + f": {eff:.3f} of peak",
                  f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate + attention "
