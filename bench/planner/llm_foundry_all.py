@@ -41,21 +41,22 @@ def predict(r, attention):
 
 def main():
     table = list(rows())
-    for attention in (None, "triton-2022"):
+    kernels = (None, "triton-2022")
+    errors = [[predict(r, a) for a in kernels] for r in table]  # each row's error under each attention, once
+    for i, attention in enumerate(kernels):
         groups = collections.defaultdict(list)
-        for r in table:
-            e = abs(predict(r, attention))
+        for r, e in zip(table, errors):
             for key in (r["gpu"] + (" x8" if r["gpus"] == "8" else " >8"), "all"):
-                groups[key].append(e)
+                groups[key].append(abs(e[i]))
         print(f"attention {attention or 'flash (the device default)'}:")
         for key, errs in sorted(groups.items()):
             errs.sort()
             print(f"  {key:14} {len(errs):4} rows, {sum(e <= 0.10 for e in errs):4} within 10%, "
                   f"median |error| {100 * errs[len(errs) // 2]:.1f}%")
     if "--rows" in sys.argv:
-        for r in table:
+        for r, (flash, triton) in zip(table, errors):
             print(f"{r['gpu']:10} {r['model']:5} {r['gpus']:>4} GPUs seq {r['seq']:>6} {r['micro_batch']:>3}x"
-                  f"{r['accum']:<3} ckpt {r['checkpointing']:5} {predict(r, None):+7.1%} {predict(r, 'triton-2022'):+7.1%}")
+                  f"{r['accum']:<3} ckpt {r['checkpointing']:5} {flash:+7.1%} {triton:+7.1%}")
 
 
 if __name__ == "__main__":
