@@ -131,9 +131,13 @@ def test_predictions_hold_the_published_runs_within_10pct():
     eight = {(r["run"].split(", ")[2], "checkpointing" in r["run"]): r["error"] for r in rows if r["source"] == "ours_8b"}
     assert len(eight) == 4, eight
     assert all(abs(e) <= 0.10 for e in eight.values()), eight
-    # the rows without recomputation again, every system stepping the fused AdamW the planner counts
+    # the rows without recomputation again, every system stepping the fused AdamW the planner counts (FSDP2's +1.8%
+    # before its copy-in and sharded update were counted as measured at two ranks, +5.1% since; shardwise's +3.3%)
     fused = [r for r in rows if r["source"] == "ours_8b_fused"]
-    assert len(fused) == 2 and all(abs(r["error"]) <= 0.05 and not r["fitted"] for r in fused), fused
+    assert len(fused) == 2 and all(abs(r["error"]) <= 0.10 and not r["fitted"] for r in fused), fused
+    # and every one of our own step rows within 10% (the issue's bar), Mixtral's layer x 8 under FSDP2 among them
+    ours = [r for r in rows if r["source"].startswith("ours") and r["measured_s"]]
+    assert len(ours) == 11 and all(abs(r["error"]) <= 0.10 for r in ours), [r for r in ours if abs(r["error"]) > 0.1]
     # DeepCompile on the same shape with per-block checkpointing (sitting 6), blind: -4.0%
     dc = [r for r in rows if r["source"] == "ours_dc"]
     assert len(dc) == 1 and abs(dc[0]["error"]) <= 0.10 and not dc[0]["fitted"], dc
@@ -703,8 +707,9 @@ def test_validation_summary_counts():
     # llm-foundry's A100 40GB table (10 rows by its rule, 5 within; 70B on 64 -33%), 110 of 146 before AutoModel's
     # pipeline split (Kimi K2 -17.6% to -8.0%: the 163,840-word output layer on the last of 8 ranks), 111 of 146 before
     # MPT's Triton attention had its own rate (two of its rows fitted; llm-foundry's 28 others 15 -> 20 within), 116
-    # before shardwise's bucket copies were counted (its ZeRO-3 on two H200s -12.6% to -8.1%)
-    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 117 and 117 / 144 >= 0.80
+    # before shardwise's bucket copies were counted (its ZeRO-3 on two H200s -12.6% to -8.1%), 117 before FSDP2's copy-in
+    # and sharded update were counted as measured at two ranks (our Mixtral layer x 8 -14.6% to -3.7%)
+    assert sum(abs(r["error"]) <= 0.10 for r in blind) == 118 and 118 / 144 >= 0.80
     forty = [r for r in rows if "A100 40GB" in r["run"]]
     assert len(forty) == 10 and sum(abs(r["error"]) <= 0.10 for r in forty) == 7
     titan8 = [r for r in rows if r["source"] == "torchtitan" and "Float8" in r["run"]]
@@ -1043,19 +1048,26 @@ def test_a_power_capped_cluster_runs_its_products_slower_by_the_cube_root_of_the
 
 def test_fsdp2s_copies_and_a_multi_tensor_update_cost_time_and_explain_says_so():
     # framework="fsdp2": per micro-batch each gathered 16-bit weight copied out of the all-gather's buffer (4 B, twice
-    # under ZeRO-3), this rank's fp32 shard cast into it (6 B over the group, twice) and each 16-bit gradient copied
-    # into the reduce-scatter's buffer (2 + 2 B), on the compute lane at the memory-bound kernels' rate
+    # under ZeRO-3), this rank's fp32 shard cast and copied into it (6 + 4 B over the group, twice, its multi-tensor
+    # kernels measured at 13.5 B of time) and each 16-bit gradient copied into the reduce-scatter's buffer (2 + 2 B, its
+    # chunk_cat measured at 1.45x), on the compute lane at the memory-bound kernels' rate; its fused update over the
+    # shards 1.17x the same over whole tensors
     m, c = model("llama3-8b"), cluster("h200-nv18-x2:1")
     st = Strategy(zero=3, micro_batch=2, global_batch=8, seq=4096, recompute="none")
     base = estimate(m, c, st)
     fsdp2 = estimate(m, c, dataclasses.replace(st, framework="fsdp2"))
-    per_param = 2 * (2 * (4 + 6 / 2) + 2 + 2)  # two micro-batches
+    per_param = 2 * (2 * (4 + 13.5 / 2) + 1.45 * (2 + 2))  # two micro-batches
     assert fsdp2.compute_s - base.compute_s == pytest.approx(per_param * m.params() / (c.accel.hbm_bw * c.accel.mem_eff))
+    assert fsdp2.optimizer_s == pytest.approx(1.17 * base.optimizer_s)
     assert fsdp2.step_s > base.step_s and any("FSDP2's copy-in and copy-out kernels" in f for f in fsdp2.formulas)
+    assert any("x 1.17 (FSDP2's shards)" in f for f in fsdp2.formulas)
     assert not any("FSDP2" in f for f in base.formulas)
-    # shardwise's buckets copy alike (passes/bucket.py: shards concatenated in, members' rows copied out of the grid)
+    # shardwise's buckets copy alike (passes/bucket.py: shards concatenated in, members' rows copied out of the grid),
+    # at the bytes they move, and its update is the plain one
     ours = estimate(m, c, dataclasses.replace(st, framework="shardwise"))
-    assert ours.compute_s == fsdp2.compute_s and any("shardwise's copy-in" in f for f in ours.formulas)
+    per_param = 2 * (2 * (4 + 6 / 2) + 2 + 2)
+    assert ours.compute_s - base.compute_s == pytest.approx(per_param * m.params() / (c.accel.hbm_bw * c.accel.mem_eff))
+    assert ours.optimizer_s == base.optimizer_s and any("shardwise's copy-in" in f for f in ours.formulas)
     # the multi-tensor AdamW passes over the fp32 state 20 times where the fused kernel does 7
     foreach = estimate(m, c, dataclasses.replace(st, foreach=True))
     assert foreach.optimizer_s / base.optimizer_s == pytest.approx(20 / 7) and foreach.compute_s == base.compute_s

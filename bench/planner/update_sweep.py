@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdp2_ranks import each_in_a_process, profiled  # this folder's: the case runner, kernels of a call
 from gemm_sweep import timed  # this folder's: CUDA-event time of a call after warm-ups
 
 from shardwise.models import build
@@ -23,25 +24,11 @@ CASES = [("llama", "8b", 4, 1024), ("moe", "8x7b-8l", 1, 1024)]  # (model, prese
 
 def kernels(fn) -> dict[str, float]:
     """Seconds per CUDA kernel name of one call of ``fn``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            out[e.name] = out.get(e.name, 0.0) + e.device_time_total / 1e6
-    return out
+    return {k: secs for k, (_, secs) in profiled(fn).items()}
 
 
 def count(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    return sum(n for n, _ in profiled(fn).values())
 
 
 def case(name, size, layers, tokens, fsdp, kernel, copy_bw):
@@ -94,24 +81,8 @@ def one(i: int) -> None:
     dist.destroy_process_group()
 
 
-def main(out):
-    import subprocess
-
-    rows = []
-    for i in range(4 * len(CASES)):  # each case in a process of its own: FSDP2's state outlives its module
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, "--case", str(i)], capture_output=True, text=True)
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("{")), None)
-        rows.append(json.loads(line) if line else {"case": i, "error": r.stderr[-600:]})
-        print(json.dumps(rows[-1])[:400], f"{time.time() - t:.0f}s", flush=True)
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "command": "python bench/planner/update_sweep.py", "date": time.strftime("%Y-%m-%d")}
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "--case":
         one(int(sys.argv[2]))
     else:
-        main(sys.argv[1])
+        each_in_a_process(__file__, range(4 * len(CASES)), sys.argv[1], "python bench/planner/update_sweep.py")

@@ -54,6 +54,10 @@ STACKS = ("megatron", "torch", "torch-autocast")
 FRAMEWORKS = (None, "fsdp2", "shardwise")
 FP8_RECIPES = (None, "te", "torchao")
 DISPATCHES, ROUTINGS = ("alltoall", "deepep"), ("balanced", "contiguous")
+FSDP2_GATHER_IN, FSDP2_REDUCE_IN, FSDP2_UPDATE = 13.5, 1.45, 1.17
+"""FSDP2 as measured at 2 and 8 ranks on one H100 (bench/planner/fsdp2_ranks.py), at the memory-bound rate: B of time per
+local parameter per gather of its copy-in (an fp32 cast and a copy, multi-tensor: 6 + 4 B moved); ``chunk_cat``'s
+time over its bytes (gradients into the reduce-scatter's buffer); its fused AdamW over shards against whole tensors."""
 DP_EXPOSED = 0.1
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 SHUFFLE_BYTES = {False: 6, True: 14}
@@ -151,8 +155,8 @@ class Strategy:
     framework: str | None = None
     """Whose data-parallel runtime, where it costs time of its own (``FRAMEWORKS``): ``fsdp2`` copies
     each gathered weight out of the all-gather's buffer and each gradient into the reduce-scatter's
-    (its copy-in/copy-out kernels, by bytes); ``shardwise`` copies alike in its buckets (passes/bucket.py). None: none
-    counted (Megatron, MaxText)."""
+    (its copy-in/copy-out kernels, as measured: ``FSDP2_GATHER_IN``); ``shardwise`` copies alike in its buckets
+    (passes/bucket.py, by bytes). None: none counted (Megatron, MaxText)."""
     dispatch: str = "alltoall"
     """MoE tokens to their experts: ``alltoall`` (each routed copy sent: Megatron's dispatcher, shardwise's) or
     ``deepep`` (DeepEP: once to each rank holding one of its experts; across nodes once to each node, then NVLink)."""
@@ -393,11 +397,14 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
 
     # the framework's own kernels on the compute lane: FSDP2 (and shardwise's buckets) per micro-batch copies each 16-bit
     # weight out of the all-gather's buffer (read and write: 4 B), casts this rank's fp32 shard into it
-    # (6 B over the group) and copies each 16-bit gradient into the reduce-scatter's buffer (2 + gbytes)
+    # (6 B over the group; FSDP2: measured, FSDP2_GATHER_IN) and copies each 16-bit gradient into the reduce-scatter's
+    # buffer (2 + gbytes; FSDP2: times FSDP2_REDUCE_IN)
     framework = 0.0
     if st.framework and st.zero >= 1:
         gathers = 2 if st.zero == 3 else 1  # ZeRO-3 gathers again for the backward
-        framework = m * shard_params * (gathers * (4.0 + 6.0 / group(sdp)) + 2.0 + gbytes) / (acc.hbm_bw * acc.mem_eff)
+        gather_in, reduce_in = (FSDP2_GATHER_IN, FSDP2_REDUCE_IN) if st.framework == "fsdp2" else (6.0, 1.0)
+        per_param = gathers * (4.0 + gather_in / group(sdp)) + reduce_in * (2.0 + gbytes)
+        framework = m * shard_params * per_param / (acc.hbm_bw * acc.mem_eff)
         compute += framework
 
     def across(params, n, stride):  # hybrid sharding: a gradient shard all-reduced with its replicas
@@ -455,6 +462,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
     z = lambda stage, n: group(n) if st.zero >= stage else 1  # noqa: E731 - the sharding of a ZeRO stage
     opt_params = dense_params / z(1, sdp) + expert_params / z(1, edp)
     optimizer = update_time(4.0 * opt_params, acc.hbm_bw * acc.mem_eff, kernel="foreach" if st.foreach else "fused")
+    sharded_update = st.framework == "fsdp2" and st.zero >= 1 and group(sdp) > 1 and not st.foreach  # measured fused
+    optimizer *= FSDP2_UPDATE if sharded_update else 1.0
 
     step = compute + stalls + bubble + dp_exposed + optimizer
 
@@ -530,7 +539,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         + f" = {g(dp_exposed)} s"),
         f"optimizer ({'multi-tensor' if st.foreach else 'fused'} AdamW) = "
         f"{4 * PASSES['unfused-adam' if st.foreach else 'fused']} B x {g(opt_params)} params / ({g(acc.hbm_bw)} B/s · "
-        f"{acc.mem_eff}) = {g(optimizer)} s",
+        f"{acc.mem_eff})" + (f" x {FSDP2_UPDATE} (FSDP2's shards)" if sharded_update else "") + f" = {g(optimizer)} s",
         f"activations/layer = {_activation_formula(model, st)}"
         f" = {g(per_layer_act)} B x {layers_here} layers x {in_flight} in flight"
         + (f" + logits {logit_bytes:g}·s·b·v/tp = {g(logits)} B" if logits else ""),
