@@ -60,6 +60,21 @@ PEAK_REF = 989e12
 """The datasheet peak of the H200 the tables were measured on: a device of another peak scales them by its own."""
 
 
+with open(os.path.join(os.path.dirname(__file__), "expert_rates.json")) as f:
+    EXPERT_RATES = json.load(f)
+"""An MoE rank's experts as separate products (4 experts, each forward and both gradients) on one H100, TFLOP/s by
+dtype, model width, an expert's MLP width on the rank, then tokens an expert receives (bench/planner/expert_gemm.py)."""
+
+
+def expert_share(width: int, ffn: int, tokens: float, fp8: bool = False) -> float:
+    """The rate of an expert's products at its shape over the best measured at its width (``EXPERT_RATES``): experts
+    of small MLPs on a few hundred tokens run at a fraction of a dense layer's rate."""
+    near = lambda keys, x: min(keys, key=lambda k: abs(np.log2(int(k) / x)))  # noqa: E731
+    by_ffn = EXPERT_RATES["fp8" if fp8 else "bf16"][near(EXPERT_RATES["bf16"], width)]
+    rates = by_ffn[near(by_ffn, ffn)]
+    return _log_interp(tokens, EXPERT_RATES["tokens"][:len(rates)], rates) / max(max(r) for r in by_ffn.values())
+
+
 def _log_interp(x: float, xs, ys) -> float:
     """``ys`` at ``x`` on the log2 scale of ``xs`` (ascending), held flat beyond the ends."""
     return float(np.interp(np.log2(x), np.log2(xs), ys))

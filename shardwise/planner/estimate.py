@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..costmodel.devices import ATTENTION_KERNELS, FP8_CAST_BYTES, FP8_EFF_MAX
+from ..costmodel.devices import ATTENTION_KERNELS, FP8_CAST_BYTES, FP8_EFF_MAX, expert_share
 from ..costmodel.optimizer import PASSES, update_time
 from .clusters import ClusterSpec
 from .models import EAGER_BYTES, TORCH_ACTIVATIONS, ModelSpec
@@ -307,6 +307,13 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         head, frate = (6.0 * model.vocab * h, acc.product_rate(h, st.tp, b * lseq, st.fp8)) if st.fp8 else (0.0, prate)
         attn_t = executed / attn_rate if attn_rate else (attn + attn_rerun) / prate
         matmul = tokens / gpus * ((products - head) / frate + head / prate + attn_t)
+        share = 1.0
+        if model.experts > 1:  # the experts' products at their own shape's share (an expert's MLP, tokens it receives)
+            per = b * lseq / (st.tp if etp == 1 else 1) * max(st.ep, 1) * model.top_k * st.capacity / model.experts
+            share = min(1.0, expert_share(h, model.ffn // etp, per, bool(st.fp8)))
+            routed = 6.0 * (L - model.dense_layers) * model.top_k * st.capacity * (1 + layer_rerun / 3) * (
+                model.expert_params() - (model.ffn + h if model.bias else 0))
+            matmul += tokens / gpus * routed / frate * (1 / share - 1)
         eff = tokens * (fpt + extra + pad) / gpus / matmul / acc.peak_flops  # the share of peak it comes to
         rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s (" + (
                      f"{acc.eff_max} of the rate measured at width {h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)"
@@ -314,7 +321,9 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
                  + (f", {st.attention or 'flash'} attention at {attn_rate / 1e12:.0f} (executed FLOPs)"
                     if attn_rate else "")
                  + (f", the layers' FP8 products at {frate / 1e12:.0f} ({FP8_EFF_MAX[st.fp8]} of their FP8 rate, "
-                    f"{st.fp8})" if st.fp8 else "") + f": {eff:.3f} of peak",
+                    f"{st.fp8})" if st.fp8 else "")
+                 + (f", the experts' at {share:.2f} of that (their shape's measured share)" if share < 1 else "")
+                 + f": {eff:.3f} of peak",
                  f"matmul = tokens/gpus·(products {products:.4g} FLOP/token / rate + attention "
                  + (f"{executed:.4g} executed" if attn_rate else f"{attn + attn_rerun:.4g}")
                  + f" / rate) = {matmul:.4g} s"]
