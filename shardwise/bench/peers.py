@@ -55,8 +55,7 @@ def peer(system: str, cfg: BenchConfig, model, device):
         if cfg.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
 
-            dp_mesh = tensor_parallel(model, cfg, device)
-            loss_ctx = loss_parallel
+            dp_mesh, loss_ctx = tensor_parallel(model, cfg, device), loss_parallel
         for blk in model.blocks:
             fully_shard(blk, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=off)
@@ -137,8 +136,7 @@ def _deepspeed(system, cfg, model, device):
         raise RuntimeError("deepspeed is not installed on this CUDA machine (or this is not a CUDA machine)")
     import deepspeed
 
-    opts = options(system)
-    name = system.split(":")[0]
+    opts, name = options(system), system.split(":")[0]
     zero: dict = {"stage": 3}
     conf = {"train_micro_batch_size_per_gpu": cfg.batch, "gradient_accumulation_steps": 1, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr}}, "bf16": {"enabled": cfg.precision == "bf16"}}

@@ -23,8 +23,7 @@ def plot(rec: dict, path: str) -> str:
 
     ok = [r for r in rec["results"] if r.get("tokens_per_s_per_gpu")]
     fig = Figure(figsize=(max(5, 1.3 * len(ok) + 2), 4))
-    ax = fig.subplots()
-    xs = range(len(ok))
+    ax, xs = fig.subplots(), range(len(ok))
     ax.bar(xs, [r["tokens_per_s_per_gpu"] for r in ok], color=["tab:blue" if r["system"].startswith("shardwise")
                                                               else "tab:gray" for r in ok])
     for x, r in zip(xs, ok):
@@ -37,8 +36,7 @@ def plot(rec: dict, path: str) -> str:
     ax.set_xticks(list(xs), [label(r, common) for r in ok], rotation=20, fontsize=8)
     ax.set_ylim(0, 1.25 * max((r["tokens_per_s_per_gpu"] for r in ok), default=1))
     ax.set_ylabel("tokens/s per GPU" if rec["gpus"] else "tokens/s per rank")
-    c = rec["config"]
-    shared = " ".join(_settings(dict(common)))
+    c, shared = rec["config"], " ".join(_settings(dict(common)))
     ax.set_title(f"{c['model']}/{c['size']} batch {c['batch']}x{c['seq'] or 'default'} {c['precision']} "
                  f"ckpt={c['checkpoint']} ranks={c['ranks']}\n{rec['machine']}"
                  + (f"; every row: {shared}" if shared else ""), fontsize=8)

@@ -335,8 +335,7 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
         >>> len(cap.gm.graph.find_nodes(op="placeholder")) == cap.n_params + len(cap.buffer_names) + 2
         True
     """
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     pnames, bnames = list(params), list(buffers)
     trainable = [params[n].requires_grad for n in pnames]
     tensors, consts, spec = flatten_batch(batch)
@@ -345,7 +344,6 @@ def capture_step(model: nn.Module, batch, *, loss_fn: Callable | None = None, mo
     if split > 1 and (rows is None or rows % split):
         raise CaptureError(f"a batch split in {split} needs a batch dim (dim 0 of its tensors) that {split} divides, "
                            f"got {rows}: use a batch of a multiple of {split} rows, or no split")
-
     dropped = [n for n in bnames if split > 1 and n.rpartition(".")[2] == "dropped"]  # models/moe.py, passes/ep.py
 
     def parts(b):
@@ -427,8 +425,7 @@ def check_no_input_mutation(cap: Capture) -> None:
     runs, as it would in eager training, and the buffer is recorded in ``cap.written_buffers``."""
     phs = cap.gm.graph.find_nodes(op="placeholder")
     names = dict(zip(phs, placeholder_names(cap)))
-    buffers = set(phs[cap.n_params:cap.n_params + len(cap.buffer_names)])
-    written = []
+    buffers, written = set(phs[cap.n_params:cap.n_params + len(cap.buffer_names)]), []
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue

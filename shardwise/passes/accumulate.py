@@ -43,12 +43,10 @@ def add_accumulators(cap: Capture, gm: fx.GraphModule, ctx: ShardContext, inplac
     sums = []
     with g.inserting_before(first):
         for i, gn in enumerate(grads):
-            v = emit.val(gn)
-            ph = g.placeholder(f"grad_sum_{i}")
+            v, ph = emit.val(gn), g.placeholder(f"grad_sum_{i}")
             ph.meta["val"] = emit.fake(v.shape, ctx.reduce_dtype or v.dtype, v.device)
             sums.append(ph)
-        lv = emit.val(loss)
-        loss_ph = g.placeholder("loss_sum")
+        lv, loss_ph = emit.val(loss), g.placeholder("loss_sum")
         loss_ph.meta["val"] = emit.fake(lv.shape, lv.dtype, lv.device)
     add = torch.ops.aten.add_.Tensor if inplace else torch.ops.aten.add.Tensor
     new_grads = []
@@ -76,7 +74,5 @@ def into_inputs(prog: Program) -> Program:
         with g.inserting_before(sh.next):
             emit.node(g, torch.ops.aten.add_.Tensor, (ph, sh), emit.val(ph))
     set_outputs(gm, loss, [])
-    prog.gm = finish(gm)
-    prog.grad_output = "none"
-    prog.strategy = f"{prog.strategy}/acc"
+    prog.gm, prog.grad_output, prog.strategy = finish(gm), "none", f"{prog.strategy}/acc"
     return prog

@@ -34,16 +34,14 @@ def _views(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
             owner[n] = owner[src]
             views[owner[n]].append(n)
         else:
-            owner[n] = n
-            views[n] = []
+            owner[n], views[n] = n, []
     return views
 
 
 def candidates(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
     """Forward values the backward reads (itself or through views of it), largest first: what offload
     can move out. Graph inputs, collectives and values already moved are left out."""
-    fwd = forward_nodes(gm)
-    out = gm.graph.find_nodes(op="output")[0]
+    fwd, out = forward_nodes(gm), gm.graph.find_nodes(op="output")[0]
     got = []
     for o, vs in _views(gm).items():
         if o not in fwd or not isinstance(o.meta.get("val"), torch.Tensor) or collective_of(o) is not None \
@@ -58,14 +56,11 @@ def apply(gm: fx.GraphModule, names, node_s: Callable[[fx.Node], float], fetch_s
     """Offload the saved values named in ``names``; returns the names offloaded. ``node_s`` predicts a
     node's time, ``fetch_s`` a copy back of so many bytes."""
     g = gm.graph
-    fwd = forward_nodes(gm)
-    out = g.find_nodes(op="output")[0]
+    fwd, out = forward_nodes(gm), g.find_nodes(op="output")[0]
     like = next(p for p in g.find_nodes(op="placeholder") if getattr(p.meta.get("val"), "device", None) is not None
                 and p.meta["val"].device.type != "meta")
     nodes = list(g.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    views = _views(gm)
-    done = []
+    pos, views, done = {n: i for i, n in enumerate(nodes)}, _views(gm), []
     for n, nbytes in candidates(gm):
         if n.name not in names:
             continue

@@ -51,8 +51,7 @@ def _merged(members: list[fx.Node]) -> Collective:
 def _merge_all_gathers(g: fx.Graph, members: list[fx.Node], ranks: int) -> None:
     ins = [m.args[0] for m in members]
     sizes = [emit.val(x).numel() for x in ins]
-    total = sum(sizes)
-    v0 = emit.val(ins[0])
+    total, v0 = sum(sizes), emit.val(ins[0])
     for m in members[1:]:  # shards of placeholders: their feed chains brought forward (of another axis's gather: the
         for c in feed_chain(m) or ():  # bucket follows the last, restore_topological_order)
             members[0].prepend(c)
@@ -82,8 +81,7 @@ def _merge_all_gathers(g: fx.Graph, members: list[fx.Node], ranks: int) -> None:
 def _merge_reduce_scatters(g: fx.Graph, members: list[fx.Node], ranks: int) -> None:
     ins = [m.args[0] for m in members]
     ks = [emit.val(x).numel() // ranks for x in ins]
-    total = sum(ks)
-    v0 = emit.val(ins[0])
+    total, v0 = sum(ks), emit.val(ins[0])
     with g.inserting_before(max(ins, key=_order(g).__getitem__).next):
         grids = [emit.reshape(g, x, [ranks, k]) for x, k in zip(ins, ks)]
         cat = emit.node(g, aten.cat.default, (grids, 1), emit.fake([ranks, total], v0.dtype, v0.device))
@@ -119,8 +117,7 @@ def bucket(gm: fx.GraphModule, bucket_bytes: int) -> int:
     made."""
     if bucket_bytes <= 0:
         return 0
-    g = gm.graph
-    made = 0
+    g, made = gm.graph, 0
     for axis in ("dp", "ep"):
         for kind, merge in (("all_gather", _merge_all_gathers), ("reduce_scatter", _merge_reduce_scatters)):
             starts = [s for s in candidates(gm) if (collective_of(s).axis, collective_of(s).kind) == (axis, kind)]

@@ -66,8 +66,7 @@ def retrace(gm: fx.GraphModule, local_shape) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = []
+    mode, fakes = FakeTensorMode(allow_non_fake_inputs=True), []
     for ph in gm.graph.find_nodes(op="placeholder"):
         v = ph.meta["val"]
         fakes.append(mode.from_tensor(torch.empty(list(local_shape(ph, v.shape)), dtype=v.dtype, device=v.device)))
@@ -179,8 +178,7 @@ def all_reduce_many(g: fx.Graph, xs: list[fx.Node], ranks: int, group: str, *, o
     vs = [val(x) for x in xs]
     dtype, device = vs[0].dtype, vs[0].device
     sizes = [v.numel() for v in vs]
-    flats = [reshape(g, x, [n]) for x, n in zip(xs, sizes)]
-    total = sum(sizes)
+    flats, total = [reshape(g, x, [n]) for x, n in zip(xs, sizes)], sum(sizes)
     flat = flats[0] if len(flats) == 1 else node(g, aten.cat.default, (flats,), fake([total], dtype, device))
     c = collective("all_reduce", total * dtype.itemsize, ranks, phase, params, axis=axis)
     red = start_and_wait(g, c10d.all_reduce.default, (flat, op, group), [total], dtype, device, c, stage)

@@ -259,8 +259,7 @@ def _shard_shared(g: fx.Graph, params: dict, counts: dict, ranks: int, group: st
     this rank's ``Shard(0)`` rows on ep, all-gathered over ep right before its first reader (zero3 gives
     its backward readers their own gather); its gradient is reduce-scattered over ep. Two gathers, over
     dp then ep, send what one over dp x ep would. Returns {name: its ep layout}."""
-    order = {n: i for i, n in enumerate(g.nodes)}
-    out = {}
+    order, out = {n: i for i, n in enumerate(g.nodes)}, {}
     for ph, name in params.items():
         v = ph.meta["val"]
         if name in counts or v.dim() == 0 or v.shape[0] % ranks or not v.is_floating_point() or not ph.users:
@@ -304,8 +303,7 @@ def issue_early(g: fx.Graph) -> int:
     """Each ep collective started as soon as its input is made (with the views and copies that feed it alone), its wait
     left where its value is first read: what the graph computes meanwhile and does not need it (a shared expert beside
     the routed ones) runs while it is in flight. Returns how many moved."""
-    order = {n: i for i, n in enumerate(g.nodes)}
-    moved = 0
+    order, moved = {n: i for i, n in enumerate(g.nodes)}, 0
 
     def hoist(n: fx.Node) -> bool:
         for a in n.all_input_nodes:

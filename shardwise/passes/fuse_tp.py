@@ -72,8 +72,7 @@ def _weight(w: fx.Node, names: dict) -> str:
 def sites(gm: fx.GraphModule, names: dict | None = None) -> list[tuple[fx.Node, fx.Node, Fused, list[fx.Node]]]:
     """(the moved value, the value it was moved from, what fusing it would run, the products it
     takes) for each site of ``gm`` (``names``: parameter names by placeholder name, for the label)."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    out = []
+    nodes, out = {n.name: n for n in gm.graph.nodes}, []
     for n in gm.graph.nodes:
         if "tp_moved" not in n.meta:
             continue
@@ -107,8 +106,7 @@ def apply(cap, mode: str, cost, kernel_ok: bool) -> list[dict]:
     if mode == "kernel" and not kernel_ok:
         raise ValueError("tp_fuse='kernel' runs Triton kernels over symmetric memory: it needs CUDA, Triton "
                          "and torch symmetric memory; use tp_fuse='ring' (any device) or 'auto'")
-    rows = []
-    phs = gm.graph.find_nodes(op="placeholder")[: cap.n_params]
+    rows, phs = [], gm.graph.find_nodes(op="placeholder")[: cap.n_params]
     found = sites(gm, {ph.name: n for ph, n in zip(phs, cap.param_names)}) if mode != "off" else []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for moved, x, f, mms in found:

@@ -143,8 +143,7 @@ class Program:
 
 def parts(gm: fx.GraphModule):
     """(placeholders, output node, loss node, grad nodes) of a captured step graph."""
-    phs = list(gm.graph.find_nodes(op="placeholder"))
-    out = gm.graph.find_nodes(op="output")[0]
+    phs, out = list(gm.graph.find_nodes(op="placeholder")), gm.graph.find_nodes(op="output")[0]
     outs = list(out.args[0])
     return phs, out, outs[0], outs[1:]
 

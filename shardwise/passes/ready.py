@@ -20,8 +20,7 @@ def insert(prog: Program, names: frozenset) -> int:
     """Put a readiness wait before the first reader of each parameter input in ``names``; returns how many were put."""
     g = prog.gm.graph
     phs = g.find_nodes(op="placeholder")[: prog.capture.n_params]
-    pos = {n: i for i, n in enumerate(g.nodes)}
-    done = 0
+    pos, done = {n: i for i, n in enumerate(g.nodes)}, 0
     for name, ph in zip(prog.capture.param_names, phs):
         if name not in names or not ph.users:
             continue

@@ -23,8 +23,7 @@ def apply(gm: fx.GraphModule) -> list[str]:
     g = gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    fwd = forward_nodes(gm)
-    out = g.find_nodes(op="output")[0]
+    fwd, out = forward_nodes(gm), g.find_nodes(op="output")[0]
 
     def bwd_users(n):
         return [u for u in n.users if u not in fwd and u is not out]

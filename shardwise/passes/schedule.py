@@ -75,8 +75,7 @@ def schedule(gm: fx.GraphModule, max_in_flight: int, max_ops: int | None = None)
         chain.sort(key=pos.__getitem__)  # in graph order: a topological one, where chains branch
         prefetch.append((chain, s))
         movable.update((*chain, s))
-    pending = deque(prefetch)
-    out = g.find_nodes(op="output")[0]
+    pending, out = deque(prefetch), g.find_nodes(op="output")[0]
 
     order: list[fx.Node] = []
     placed: set[fx.Node] = set()

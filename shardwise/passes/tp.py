@@ -256,8 +256,7 @@ def _gather(g, x, p, ranks, group, phase, stage=None, reason=""):
     """All-gather of shard ``p``: the pieces meet along dim 0, so another dim is moved there first
     and back after; the pieces of a cut in blocks are put back in block order between."""
     v = x.meta["val"]  # the global value: local along the dim
-    d = p.dim
-    local = local_shape(v.shape, p, ranks)
+    d, local = p.dim, local_shape(v.shape, p, ranks)
     perm = [d] + [i for i in range(len(local)) if i != d]
     y = emit.contiguous(g, x) if d == 0 else _contiguous(
         g, emit.node(g, aten.permute.default, (x, perm), emit.fake([local[i] for i in perm], v.dtype, v.device)))
@@ -281,8 +280,7 @@ def _gather(g, x, p, ranks, group, phase, stage=None, reason=""):
 def _scatter(g, x, p, ranks, group, phase, stage=None, reason=""):
     """Reduce-scatter of a partial sum to shard ``p``: its dim is moved to dim 0, where the pieces
     are cut (a cut in blocks: each rank's pieces of every block put side by side first), and back after."""
-    v = x.meta["val"]
-    d = p.dim
+    v, d = x.meta["val"], p.dim
     perm = [d] + [i for i in range(v.dim()) if i != d]
     moved = [v.shape[i] for i in perm]
     y = x if d == 0 else emit.node(g, aten.permute.default, (x, perm), emit.fake(moved, v.dtype, v.device))

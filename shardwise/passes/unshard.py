@@ -100,6 +100,5 @@ def plan(cap: Capture, ctx: ShardContext, mode: str,
                 else:
                     hi = k - 1
             fits = lo
-    best.unsharded = sorted(keep[:fits])
-    best.predicted_graph_peak = best_peak
+    best.unsharded, best.predicted_graph_peak = sorted(keep[:fits]), best_peak
     return dataclasses.replace(base_ctx, keep_gathered=frozenset(keep[:fits])), best

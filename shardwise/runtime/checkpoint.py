@@ -217,8 +217,7 @@ def state_dict(job, extra: dict | None = None) -> dict:
     job.updater.drain()
     opt, st = job.optimizer, job.state
     by_tensor = {id(t): n for n, t in st.opt_tensors.items()}
-    model = {n: _sharded(job, n, t.detach()) for n, t in _params(job).items()}
-    optim = {}
+    model, optim = {n: _sharded(job, n, t.detach()) for n, t in _params(job).items()}, {}
     for p, s in opt.state.items():
         name = by_tensor[id(p)]
         for k, v in s.items():
@@ -361,8 +360,7 @@ def _check(job, path: str) -> dict:
     except Exception as e:  # noqa: BLE001 - a corrupt file, named
         raise CheckpointError(f"the checkpoint at {path!r} cannot be read ({type(e).__name__}: {e}); "
                               "its .metadata is corrupt: load another one") from None
-    items = md.state_dict_metadata
-    mine = {n: _whole(job, n) for n in job.state.names}
+    items, mine = md.state_dict_metadata, {n: _whole(job, n) for n in job.state.names}
     saved = {k.split(".", 1)[1]: tuple(v.size) for k, v in items.items()
              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
@@ -495,8 +493,7 @@ def save(job, path: str, extra: dict | None = None, blocking: bool = True):
     wait_saves(job)
     t0 = time.perf_counter()
     sd = state_dict(job, extra)
-    tmp = path.rstrip("/") + ".partial"
-    rank = dist.get_rank()
+    tmp, rank = path.rstrip("/") + ".partial", dist.get_rank()
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
         if os.path.exists(tmp):

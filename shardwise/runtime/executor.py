@@ -101,8 +101,7 @@ class Executor:
         """(loss, gradients in ``state.grad_names`` order) of a step over the micro-batches ``micro``;
         ``get(batch, mode)`` gives the compiled program of a mode (passes.MODES), ``whole_grads`` says
         the strategy keeps whole gradients across micro-batches (ddp, zero1)."""
-        k = len(micro)
-        n_grads = len(self.state.grad_names)
+        k, n_grads = len(micro), len(self.state.grad_names)
         if k > 1 and whole_grads:
             # whole gradients summed locally (in place, in the graph); one reduction, in the last micro-batch's program
             *sums, loss_sum = self.zeros_like_inputs(get(micro[0], "local"), n_grads + 1)

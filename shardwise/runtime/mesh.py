@@ -150,7 +150,6 @@ def mesh(dp: int | None = None, tp: int | None = None, ep: int | None = None,
     backend = dist.get_backend()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    device = torch.device(device)
-    sizes = {"dp": dp, "ep": ep or 1, "tp": tp or 1}
+    device, sizes = torch.device(device), {"dp": dp, "ep": ep or 1, "tp": tp or 1}
     names = tuple(a for a in AXES if a == "dp" or given[a] is not None)
     return Mesh(init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names), device)

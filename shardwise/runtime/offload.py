@@ -47,13 +47,11 @@ class StreamedOptimizer:
         self.opt = optimizer
         self.params = params  # name -> master (an nn.Parameter the optimizer holds); host unless resident
         self.compute = compute  # name -> device shard in the compute dtype, refreshed after updates
-        self.device = device
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         if window < 2:
             raise ValueError(f"StreamedOptimizer: window must be at least 2 (a slot is copied into while the "
                              f"previous one is updated), got {window}")
-        self.chunk_bytes = chunk_bytes
-        self.window = window
+        self.chunk_bytes, self.window = chunk_bytes, window
         # Adam and AdamW without capturable/fused: the state they make lazily is zeros plus a CPU ``step``
         # scalar, so it can be made up front and parameters sliced
         self.sliced = isinstance(optimizer, torch.optim.Adam) and not any(
@@ -144,8 +142,7 @@ class StreamedOptimizer:
         for n, p in self.params.items():
             if (n in names) == (n in self.resident):
                 continue
-            to_host = n not in names
-            st = self.opt.state.get(p, {})
+            to_host, st = n not in names, self.opt.state.get(p, {})
             for k, v in list(self._state_tensors(p).items()):
                 st[k] = self._to_host(v).copy_(v) if to_host else v.to(self.device)
             p.data = self._to_host(p.data).copy_(p.data) if to_host else p.data.to(self.device)
@@ -213,8 +210,7 @@ class StreamedOptimizer:
     def _bufs(self, n: str, grad: torch.Tensor) -> dict[str, torch.Tensor]:
         """Host buffers of one host-updated parameter, made once: the gradient as it arrives, in the
         master dtype, and the new weights in the compute dtype."""
-        b = self._host_bufs.get(n)
-        master = self.params[n]
+        b, master = self._host_bufs.get(n), self.params[n]
         if b is None or b["grad"].dtype != grad.dtype:
             b = {"grad": torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.cuda)}
             if grad.dtype != master.dtype:
@@ -239,8 +235,7 @@ class StreamedOptimizer:
             hp.grad = g
             self._host_opt.step()
             hp.grad = None
-            c = self.compute.get(n)
-            sent = None
+            c, sent = self.compute.get(n), None
             self._host_moved += c.numel() * c.element_size() if c is not None else 0
             if c is not None and self.cuda:
                 out = b["out"]
@@ -300,8 +295,7 @@ class StreamedOptimizer:
     def measure_host_rate(self, numel: int = 1 << 24, iters: int = 3) -> float:
         """Elements/s of the host update on this machine: the gradient's cast to the master dtype, a
         step of the host optimizer's kind and the cast of the new weights, on scratch tensors."""
-        name = next(iter(self.params))
-        master = self.params[name]
+        name, master = next(iter(self.params.items()))
         cd = self.compute[name].dtype if name in self.compute else master.dtype
         gd = self.grad_dtype or cd
         p = torch.nn.Parameter(torch.zeros(numel, dtype=master.dtype))

@@ -103,8 +103,7 @@ def _(h, like):
     return torch.empty(h.shape, dtype=h.dtype, device=like.device)
 
 
-TO_HOST = torch.ops.shardwise.to_host.default
-TO_DEVICE = torch.ops.shardwise.to_device.default
+TO_HOST, TO_DEVICE = torch.ops.shardwise.to_host.default, torch.ops.shardwise.to_device.default
 
 ops.register(TO_HOST, to_host=True)
 
@@ -116,8 +115,7 @@ def _carved(x: torch.Tensor, sms: int):
     if x.device.type != "cuda" or sms <= 0:
         yield
         return
-    blas = torch.backends.cuda.preferred_blas_library()
-    before = torch._C._get_sm_carveout_experimental()
+    blas, before = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
     torch.backends.cuda.preferred_blas_library("cublaslt")
     torch._C._set_sm_carveout_experimental(sms)
     try:

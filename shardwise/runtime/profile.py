@@ -118,8 +118,7 @@ def exposed_by_kernel(comm: list[tuple[float, float, str]], comp) -> tuple[dict[
     together each count their own exposed time, so the per-kind sums can exceed the union's. A kernel listed more than
     once counts once (the profiler's event list held every NCCL kernel twice on torch 2.11 with CUDA)."""
     by: dict[str, float] = {}
-    rows = []
-    comm = sorted(set(comm))
+    rows, comm = [], sorted(set(comm))
     t0 = min([a for a, _, _ in comm] + [a for a, _ in comp], default=0.0)
     for a, b, kind in comm:
         x = subtract([(a, b)], comp)

@@ -2,11 +2,13 @@
 
 What lives where, per strategy (``Ψ`` = parameter count, ``N`` = data-parallel ranks):
 
-=========  ==========================================  =================  ============= strategy   parameters kept whole
-optimizer updates  its state =========  ==========================================  =================  ============= ddp
-the model's own parameters                  whole parameters   whole zero1/2    the model's (or a compute-dtype copy)
-fp32 shards Ψ/N    sharded zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    sharded =========
-==========================================  =================  =============
+=========  ==========================================  =================  =============
+strategy   parameters kept whole                       optimizer updates  its state
+=========  ==========================================  =================  =============
+ddp        the model's own parameters                  whole parameters   whole
+zero1/2    the model's (or a compute-dtype copy)       fp32 shards Ψ/N    sharded
+zero3      none: the model's weights go to ``meta``    fp32 shards Ψ/N    sharded
+=========  ==========================================  =================  =============
 
 Under a tp axis (``TensorParallel``) every parameter above is this rank's tp shard and the model's own weights go to
 ``meta``. ``keep_model`` keeps them (a state made before the tp plan is known); ``reuse`` moves that state's optimizer
@@ -54,8 +56,7 @@ class ShardedState:
         self.full: dict[str, torch.Tensor] = {}
         self.master: dict[str, torch.Tensor] = {}
         self.compute: dict[str, torch.Tensor] = {}  # offload: the device shards the graph reads
-        self.device = next(iter(params.values())).device
-        self.offload = offload
+        self.device, self.offload = next(iter(params.values())).device, offload
         if offload and strategy != "zero3":
             raise ValueError(f"optimizer offload is built for zero3 so far, not {strategy}")
         if strategy == "ddp":
@@ -67,9 +68,8 @@ class ShardedState:
                 if offload:
                     keep = param_dtype is None or not p.is_floating_point()
                     self.compute[n] = shard.clone() if keep else shard.to(param_dtype)
-                    host = torch.empty(shard.shape, dtype=shard.dtype, device="cpu",
-                                       pin_memory=self.device.type == "cuda")
-                    shard = host.copy_(shard)
+                    shard = torch.empty(shard.shape, dtype=shard.dtype, device="cpu",
+                                        pin_memory=self.device.type == "cuda").copy_(shard)
                 self.master[n] = nn.Parameter(shard, requires_grad=p.requires_grad)
             if strategy in ("zero1", "zero2"):
                 for n, p in params.items():
@@ -159,8 +159,7 @@ class ShardedState:
         padded rest go through one flat all-gather per dtype. Returns the bytes this rank sent."""
         if self.strategy not in ("zero1", "zero2"):
             return 0
-        c10d = torch.ops._c10d_functional
-        sent = 0
+        c10d, sent = torch.ops._c10d_functional, 0
         by_dtype: dict[torch.dtype, list[str]] = {}
         for n in self.names:
             if not self.trainable[n]:
@@ -176,8 +175,7 @@ class ShardedState:
                 by_dtype.setdefault(full.dtype, []).append(n)
         for dtype, names in by_dtype.items():
             flat = torch.cat([self.master[n].detach().reshape(-1).to(dtype) for n in names])
-            per_rank = _all_gather(flat, ranks, group).view(ranks, -1)
-            off = 0
+            per_rank, off = _all_gather(flat, ranks, group).view(ranks, -1), 0
             for n in names:
                 lay = self.layouts[n]
                 self.full[n].copy_(lay.unshard(per_rank[:, off : off + lay.local_numel].reshape(lay.padded_shape)))
@@ -324,8 +322,7 @@ def transplant(opt: torch.optim.Optimizer, old: dict[str, torch.Tensor], named: 
     names instead: its groups, hyperparameters and identity kept, so schedulers and references to it hold."""
     if opt.state:
         raise RuntimeError("internal: the optimizer has state already; its tensors cannot be replaced")
-    name_of = {id(t): n for n, t in old.items()}
-    new = dict(named)
+    name_of, new = {id(t): n for n, t in old.items()}, dict(named)
     for g in opt.param_groups:
         g["params"] = [new[name_of[id(p)]] for p in g["params"]]
     return opt
@@ -337,8 +334,7 @@ def _host_staged(group: dist.ProcessGroup, x: torch.Tensor) -> bool:
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The sum of ``x`` over ``group`` (functional collective, waited; through the host on gloo)."""
-    c10d = torch.ops._c10d_functional
-    host = _host_staged(group, x)
+    c10d, host = torch.ops._c10d_functional, _host_staged(group, x)
     return c10d.wait_tensor(c10d.all_reduce(x.cpu() if host else x, "sum", group.group_name)).to(x.device)
 
 
@@ -373,8 +369,7 @@ def fused_twin(opt: torch.optim.Optimizer, want: bool | None) -> torch.optim.Opt
     groups and hyperparameters; only the kernel differs (fp32 rounding may differ in the last bit)."""
     if want is False or opt.defaults.get("fused"):
         return opt
-    d = opt.defaults
-    ps = [p for g in opt.param_groups for p in g["params"]]
+    d, ps = opt.defaults, [p for g in opt.param_groups for p in g["params"]]
     if want is None and (d.get("foreach") is not None or d.get("fused") is not None
                          or any(p.device.type != "cuda" for p in ps)):
         return opt

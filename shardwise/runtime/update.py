@@ -63,8 +63,7 @@ class Updater:
     def step(self, grads: dict[str, torch.Tensor], program=None) -> int:
         """Clip, update, zero the gradients, gather zero1/2's whole weights; returns the bytes sent.
         ``program`` (the step's) orders the chunks of an overlapped update."""
-        sent = 0
-        self.last_grad_norm = None
+        sent, self.last_grad_norm = 0, None
         if self.clip is not None:
             self.last_grad_norm, sent = self.state.clip_grad_norm_(grads, self.clip, self.group, self.ranks)
         t0 = self.clock()
@@ -99,8 +98,7 @@ class Updater:
         those it never reads last), cut into about 16 chunks of equal bytes."""
         if self.chunks is None:
             order = [n.meta["sw_ready"] for n in program.gm.graph.nodes if "sw_ready" in n.meta]
-            self.ready_names = set(order)
-            st = self.state
+            self.ready_names, st = set(order), self.state
             names = [n for n in order if n in st.opt_tensors]
             names += [n for n in st.grad_names if n not in self.ready_names]
             size = {n: st.master[n].numel() * st.master[n].element_size() for n in names}
@@ -119,8 +117,7 @@ class Updater:
         """The update chunk by chunk in first-read order (each chunk: its gradients set, the optimizer
         stepped, which skips parameters without one); on CUDA on ``stream``, after the step's graph,
         the gradients kept from reuse until the update has read them."""
-        upd = self.stream
-        chunks = self.plan_chunks(program)
+        upd, chunks = self.stream, self.plan_chunks(program)
         if upd is not None:
             from torch._C._distributed_c10d import _register_work
 

@@ -111,8 +111,7 @@ class ShardLayout:
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's piece of ``full`` as a new contiguous tensor (padding rows zero)."""
         full = full.reshape(self.shape2)
-        out = full.new_zeros(self.local_shape)
-        lo = rank * self.rows
+        out, lo = full.new_zeros(self.local_shape), rank * self.rows
         hi = min(lo + self.rows, self.shape2[0])
         if hi > lo:
             out[: hi - lo].copy_(full[lo:hi])

@@ -134,8 +134,7 @@ def _propagate(gm: fx.GraphModule, seeds: dict, ranks: int, outputs: list | None
                names: dict | None = None, prefer: dict | None = None, allow_replicate: bool = False) -> Propagation:
     """``propagate``'s walk over the graph, under the product policy it set."""
     plan = Propagation(ranks)
-    pl = plan.placements
-    prefer = prefer or {}
+    pl, prefer = plan.placements, prefer or {}
 
     def place(a):
         return pl.get(a, R) if isinstance(a, fx.Node) else None

@@ -41,8 +41,7 @@ def _table(node):
 def embedding_backward(node, place, ranks):
     grad, idx = node.args[0], node.args[1]
     pg, pi = place(grad), place(idx)
-    nd = val(grad).dim()
-    table = _table(node)
+    nd, table = val(grad).dim(), _table(node)
     if table is not None and vocab_parallel(place(table)):  # each rank's rows, from every token's gradient
         return {a: R for a in (grad, idx) if place(a) != R}, Shard(0)
     if isinstance(pg, Shard) and pg.dim == nd - 1 and pi == R:

@@ -32,8 +32,7 @@ def is_pointwise(n: fx.Node) -> bool:
 
 
 def pointwise_rule(node: fx.Node, place, ranks: int):
-    ins = tensors(node)
-    out = val(node)
+    ins, out = tensors(node), val(node)
     nd = out.dim()
     partial = [a for a in ins if isinstance(place(a), Partial)]
     if partial:

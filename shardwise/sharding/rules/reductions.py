@@ -49,8 +49,7 @@ def _classes(p, node, x, d) -> bool:
 
 
 def softmax(node, place, ranks):
-    x = node.args[0]
-    p = place(x)
+    x, p = node.args[0], place(node.args[0])
     if _classes(p, node, x, node.args[1]):
         return {}, p
     if isinstance(p, Partial) or isinstance(p, Shard) and p.dim == dim(node.args[1], val(x).dim()):
@@ -90,8 +89,7 @@ def along(node, place, ranks):
 def scan(node, place, ranks):
     """A running sum along one dim: a partial value stays partial (the scan is linear), a shard of
     another dim passes; its own dim sharded is needed whole."""
-    x = node.args[0]
-    p = place(x)
+    x, p = node.args[0], place(node.args[0])
     return ({x: R}, R) if isinstance(p, Shard) and p.dim == dim(node.args[1], val(x).dim()) else ({}, p)
 
 
