@@ -18,10 +18,11 @@ from gemm_sweep import timed  # this folder's: CUDA-event time of a call after w
 
 from shardwise.models import build
 
-# (name, world, layers, fsdp2, compile): the MoE case is our measured row's model (Mixtral 8x7B's layer, capacity
-# 1.25, 1x4096 tokens) cut to the layers one 80 GB GPU holds at that world
+# (name, world, layers, fsdp2, compile[, model, size, sequences]): our measured rows' models cut to the layers one 80 GB
+# GPU holds at that world; by default the bench's moe 8x7b-8l (Mixtral 8x7B's layer, capacity 1.25) on 1x4096 tokens
 CASES = [("plain", 1, 2, False, False), ("fsdp2 world 1", 1, 2, True, False), ("fsdp2 world 2", 2, 3, True, False),
-         ("fsdp2+compile world 2", 2, 3, True, True), ("fsdp2 world 8", 8, 8, True, False)]
+         ("fsdp2+compile world 2", 2, 3, True, True), ("fsdp2 world 8", 8, 8, True, False),
+         ("llama 8b fsdp2+compile world 2", 2, 12, True, True, "llama", "8b", 2)]
 TOKENS = 4096
 
 
@@ -46,7 +47,7 @@ def case(i: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    name, world, layers, fsdp, compiled = CASES[i]
+    name, world, layers, fsdp, compiled, arch, size, seqs = (*CASES[i], "moe", "8x7b-8l", 1)[:8]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     torch.cuda.set_device(0)
     a = torch.empty(2**28, device="cuda")
@@ -55,7 +56,7 @@ def case(i: int) -> dict:
     del a, b
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = build("moe", "8x7b-8l", n_layer=layers)
+        model = build(arch, size, n_layer=layers)
     if fsdp:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for blk in model.blocks:
@@ -64,7 +65,7 @@ def case(i: int) -> dict:
     run = torch.compile(model) if compiled else model
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    x = torch.randint(0, model.cfg.vocab, (1, TOKENS), device="cuda")
+    x = torch.randint(0, model.cfg.vocab, (seqs, TOKENS), device="cuda")
 
     def fwd_bwd():
         with torch.autocast("cuda", torch.bfloat16, enabled=not fsdp):
@@ -75,8 +76,8 @@ def case(i: int) -> dict:
         fwd_bwd()
         opt.step()
     fwd_bwd()
-    row = {"case": name, "world": world, "layers": layers, "fsdp2": fsdp, "compile": compiled,
-           "local_params": local, "copy_bw": copy_bw}
+    row = {"case": name, "model": f"{arch} {size}", "world": world, "layers": layers, "fsdp2": fsdp,
+           "compile": compiled, "local_params": local, "copy_bw": copy_bw}
     row["update_s"] = timed(opt.step, reps=5)
     row["update_passes"] = row["update_s"] * copy_bw / (4.0 * local)
     upd = profiled(opt.step)
