@@ -7,9 +7,10 @@ then data parallel. Per step (one optimizer step of ``global_batch`` sequences):
   all of it but each dense layer's down projection under block, the attention core under selective) over the GPUs, at
   the accelerator's fitted share of the datasheet peak (costmodel.Device.efficiency) or, where its products and flash
   attention were measured by shape (the H200), at a fitted share of those rates (the products' at the layer's width, tp
-  and tokens per micro-batch; attention's at the sequence, on the FLOPs it executes), plus the memory-bound kernels'
-  bytes (norms, activations, residual adds, unfused attention scores: models.ModelSpec.elementwise_bytes) at its share
-  of HBM bandwidth, and the framework's own kernels (FSDP2's copy-in and copy-out, shardwise's alike);
+  and tokens per micro-batch, an MoE's experts at their own shape's measured share; attention's at the sequence, on the
+  FLOPs it executes), plus the memory-bound kernels' bytes (norms, activations, residual adds, unfused attention
+  scores: models.ModelSpec.elementwise_bytes) at its share of HBM bandwidth, and the framework's own kernels (FSDP2's
+  copy-in and copy-out as measured, shardwise's by bytes);
 - tensor parallel: per layer and micro-batch, two all-reduces of the layer's activations in the forward and two in the
   backward (four all-gathers / reduce-scatters with sequence parallelism, the same bytes), two more under full
   recomputation (block: one, 1.5 with sequence parallelism, where the rerun MLP input is all-gathered again); not
