@@ -42,18 +42,18 @@ def profiled(fn) -> dict[str, list]:
     return out
 
 
-def case(i: int) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    name, world, layers, fsdp, compiled, arch, size, seqs = (*CASES[i], "moe", "8x7b-8l", 1)[:8]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    torch.cuda.set_device(0)
+def copy_rate() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, read and write counted."""
     a = torch.empty(2**28, device="cuda")
     b = torch.empty_like(a)
-    copy_bw = 2 * a.numel() * 4 / timed(lambda: b.copy_(a))  # read + write
-    del a, b
+    return 2 * a.numel() * 4 / timed(lambda: b.copy_(a))
+
+
+def built(arch: str, size: str, layers: int, fsdp: bool):
+    """A built-in model made on the GPU (seconds, not a minute on the host), under FSDP2 with the bench's policy (bf16
+    parameters, fp32 reduction; each block, then the root) where ``fsdp``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = build(arch, size, n_layer=layers)
@@ -62,6 +62,23 @@ def case(i: int) -> dict:
         for blk in model.blocks:
             fully_shard(blk, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
+    return model
+
+
+def is_copy(kernel: str) -> bool:
+    """FSDP2's gradient copy-in and weight copy-out kernels (and the concatenation of the same work)."""
+    return any(k in kernel for k in ("chunk_cat", "split_with_sizes", "CatArrayBatched"))
+
+
+def case(i: int) -> dict:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    name, world, layers, fsdp, compiled, arch, size, seqs = (*CASES[i], "moe", "8x7b-8l", 1)[:8]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    torch.cuda.set_device(0)
+    copy_bw = copy_rate()
+    model = built(arch, size, layers, fsdp)
     run = torch.compile(model) if compiled else model
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -96,7 +113,7 @@ def case(i: int) -> dict:
         fwd = profiled(lambda: run(x, x))
     row["forward_top"] = dict(sorted(fwd.items(), key=lambda kv: -kv[1][1])[:16])
     row["fwd_bwd_kernel_s"] = sum(s for _, s in step.values())
-    copies = {k: v for k, v in step.items() if "chunk_cat" in k or "split_with_sizes" in k or "CatArrayBatched" in k}
+    copies = {k: v for k, v in step.items() if is_copy(k)}
     row["copy_s"] = sum(s for _, s in copies.values())
     row["copy_bytes_per_param"] = row["copy_s"] * copy_bw / local
     row["fwd_bwd_top"] = dict(sorted(step.items(), key=lambda kv: -kv[1][1])[:16])

@@ -9,15 +9,13 @@ copy rate; the copy kernels' time and the bytes per parameter they come to. Run 
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from fsdp2_ranks import each_in_a_process, profiled  # this folder's: the case runner, kernels of a call
+from fsdp2_ranks import built, copy_rate, each_in_a_process, is_copy, profiled  # this folder's
 from gemm_sweep import timed  # this folder's: CUDA-event time of a call after warm-ups
 
-from shardwise.models import build
 
 CASES = [("llama", "8b", 4, 1024), ("moe", "8x7b-8l", 1, 1024)]  # (model, preset, layers, tokens)
 
@@ -32,16 +30,7 @@ def count(fn) -> int:
 
 
 def case(name, size, layers, tokens, fsdp, kernel, copy_bw):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # initialised on the GPU: seconds, not a minute on the host
-        model = build(name, size, n_layer=layers)
-    if fsdp:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for blk in model.blocks:
-            fully_shard(blk, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+    model = built(name, size, layers, fsdp)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({"fused": True} if kernel == "fused" else {"foreach": True}))
     vocab = model.cfg.vocab
@@ -59,7 +48,7 @@ def case(name, size, layers, tokens, fsdp, kernel, copy_bw):
     row["update_passes"] = row["update_s"] * copy_bw / (4.0 * params)
     if fsdp:
         per = kernels(fwd_bwd)
-        copies = {k: v for k, v in per.items() if "chunk_cat" in k or "split_with_sizes" in k or "CatArrayBatched" in k}
+        copies = {k: v for k, v in per.items() if is_copy(k)}
         row["copy_kernels"] = {k[:80]: v for k, v in sorted(copies.items(), key=lambda kv: -kv[1])[:6]}
         row["copy_s"] = sum(copies.values())
         row["copy_bytes_per_param"] = row["copy_s"] * copy_bw / params
@@ -72,9 +61,7 @@ def one(i: int) -> None:
     os.environ.setdefault("MASTER_PORT", "29512")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    a = torch.empty(2**28, device="cuda")
-    b = torch.empty_like(a)
-    copy_bw = 2 * a.numel() * 4 / timed(lambda: b.copy_(a))  # read + write
+    copy_bw = copy_rate()
     name, size, layers, tokens = CASES[i // 4]
     print(json.dumps({**case(name, size, layers, tokens, bool(i % 4 // 2), ("fused", "foreach")[i % 2], copy_bw),
                       "copy_bw": copy_bw}), flush=True)
