@@ -392,7 +392,7 @@ def _plan_parser(sub) -> None:
                    help="the layers' products in FP8 (Hopper GPUs) by a recipe: te (Transformer Engine; the default) "
                    "or torchao (its Float8 training; the rest at the device's bf16 share)")
     p.add_argument("--framework", choices=["fsdp2", "shardwise"], default=None, help="count the data-parallel "
-                   "runtime's own kernels: FSDP2's copy-in and copy-out, or shardwise's buckets' alike, by bytes")
+                   "runtime's own kernels: FSDP2's copy-in and copy-out as measured, or shardwise's buckets' by bytes")
     p.add_argument("--dispatch", choices=["alltoall", "deepep"], default="alltoall", help="MoE tokens to their "
                    "experts: an all-to-all of every routed copy, or DeepEP's (once to each rank and node reached)")
     p.add_argument("--routing", choices=["balanced", "contiguous"], default="balanced", help="experts a token picks: "

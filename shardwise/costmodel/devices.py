@@ -52,12 +52,17 @@ TRITON_2022_H100, TRITON_2022_A100 = 159.5e12, 88.0e12
 ATTENTION_KERNELS = {"triton-2022": {"h100": TRITON_2022_H100, "h100-hbm2e": TRITON_2022_H100,
                                      "a100": TRITON_2022_A100, "a100-40gb": TRITON_2022_A100}}
 """Attention kernels other than a device's own flash attention, FLOP/s (executed: the causal half) a whole step holds,
-by kernel and device, each fitted on one run only. ``triton-2022``: the Triton FlashAttention of 2022 that MosaicML's MPT
-runs (llm-foundry's ``attn_impl: triton``, its benchmark tables' default); fitted on MPT 1B at 3x8192 tokens on 8 H100s
-and on 8 A100 80GB (the A100 40GB has the same SMs). Over all 191 rows of those BF16 tables (8-128 GPUs, sequences
-512-65,536) it takes the planner from 62 within 10% to 127 (bench/results/2026-12-07-plan-attention-kernel.md)."""
+by kernel and device, each fitted on one run only. ``triton-2022``: the Triton FlashAttention of 2022 that MosaicML's
+MPT runs (llm-foundry's ``attn_impl: triton``, its benchmark tables' default); fitted on MPT 1B at 3x8192 tokens on 8
+H100s and on 8 A100 80GB (the A100 40GB has the same SMs). Over all 191 rows of those BF16 tables (8-128 GPUs,
+sequences 512-65,536) it takes the planner from 62 within 10% to 127
+(bench/results/2026-12-07-plan-attention-kernel.md)."""
 PEAK_REF = 989e12
 """The datasheet peak of the H200 the tables were measured on: a device of another peak scales them by its own."""
+FSDP2_GATHER_IN, FSDP2_REDUCE_IN, FSDP2_UPDATE = 13.5, 1.45, 1.17
+"""FSDP2 as measured at 2 and 8 ranks on one H100 (bench/planner/fsdp2_ranks.py), at the memory-bound rate: B of time
+per local parameter per gather of its copy-in (an fp32 cast and a copy, multi-tensor: 6 + 4 B moved); ``chunk_cat``'s
+time over its bytes (gradients into the reduce-scatter's buffer); its fused AdamW over shards against whole tensors."""
 
 
 with open(os.path.join(os.path.dirname(__file__), "expert_rates.json")) as f:

@@ -42,7 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..costmodel.devices import ATTENTION_KERNELS, FP8_CAST_BYTES, FP8_EFF_MAX, expert_share
+from ..costmodel.devices import (ATTENTION_KERNELS, FP8_CAST_BYTES, FP8_EFF_MAX, FSDP2_GATHER_IN, FSDP2_REDUCE_IN,
+                                 FSDP2_UPDATE, expert_share)
 from ..costmodel.optimizer import PASSES, update_time
 from .clusters import ClusterSpec
 from .models import EAGER_BYTES, TORCH_ACTIVATIONS, ModelSpec
@@ -55,10 +56,6 @@ STACKS = ("megatron", "torch", "torch-autocast")
 FRAMEWORKS = (None, "fsdp2", "shardwise")
 FP8_RECIPES = (None, "te", "torchao")
 DISPATCHES, ROUTINGS = ("alltoall", "deepep"), ("balanced", "contiguous")
-FSDP2_GATHER_IN, FSDP2_REDUCE_IN, FSDP2_UPDATE = 13.5, 1.45, 1.17
-"""FSDP2 as measured at 2 and 8 ranks on one H100 (bench/planner/fsdp2_ranks.py), at the memory-bound rate: B of time per
-local parameter per gather of its copy-in (an fp32 cast and a copy, multi-tensor: 6 + 4 B moved); ``chunk_cat``'s
-time over its bytes (gradients into the reduce-scatter's buffer); its fused AdamW over shards against whole tensors."""
 DP_EXPOSED = 0.1
 """The closed form's least exposed share of the data-parallel communication (the last bucket's)."""
 SHUFFLE_BYTES = {False: 6, True: 14}
@@ -284,10 +281,11 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
              "full": fpt / 3.0}[st.recompute]
     # capacity dispatch: the experts also compute on their padding (and rerun it where they are rerun)
     layer_rerun = st.recompute in ("full", "block")  # the backward reruns the layer's forward
-    pad = 0.0
-    if model.experts > 1 and st.capacity > 1.0:
+    routed = 0.0  # an MoE's routed products a token at capacity 1: each of its k experts' forward, backward and rerun
+    if model.experts > 1:
         expert_matmul = model.expert_params() - (model.ffn + h if model.bias else 0)
-        pad = 6.0 * (L - model.dense_layers) * model.top_k * expert_matmul * (st.capacity - 1.0) * (1 + layer_rerun / 3)
+        routed = 6.0 * (L - model.dense_layers) * model.top_k * expert_matmul * (1 + layer_rerun / 3)
+    pad = routed * (st.capacity - 1.0)
     if model.experts > 1 and st.onehot:  # the one-hot dispatch's and combine's products: 2 forward, 3 backward, 2 rerun
         pad += 2.0 * h * st.capacity * seq * model.top_k * (L - model.dense_layers) * (5 + 2 * layer_rerun)
     eff = st.efficiency if st.efficiency is not None else acc.efficiency(h / st.tp)
@@ -312,9 +310,7 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, st: Strategy) -> Estimate:
         if model.experts > 1:  # the experts' products at their own shape's share (an expert's MLP, tokens it receives)
             per = b * lseq / (st.tp if etp == 1 else 1) * max(st.ep, 1) * model.top_k * st.capacity / model.experts
             share = min(1.0, expert_share(h, model.ffn // etp, per, bool(st.fp8)))
-            routed = 6.0 * (L - model.dense_layers) * model.top_k * st.capacity * (1 + layer_rerun / 3) * (
-                model.expert_params() - (model.ffn + h if model.bias else 0))
-            matmul += tokens / gpus * routed / frate * (1 / share - 1)
+            matmul += tokens / gpus * routed * st.capacity / frate * (1 / share - 1)
         eff = tokens * (fpt + extra + pad) / gpus / matmul / acc.peak_flops  # the share of peak it comes to
         rated = [f"efficiency = the products at {prate / 1e12:.0f} TFLOP/s (" + (
                      f"{acc.eff_max} of the rate measured at width {h}, tp {st.tp}, {b * lseq:g} tokens a micro-batch)"
